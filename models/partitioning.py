@@ -1,0 +1,83 @@
+"""Logical axis names to mesh axes.
+
+Every weight declares logical axes (`nnx.Param(..., logical_axes=(...))`);
+a rule table maps each logical name to zero or more mesh axes. Resolution is
+shape-aware: a mesh axis is dropped from a dimension it does not divide (for
+example 2 kv heads on a tensor axis of 4 stay replicated), and no mesh axis is
+used twice in one spec.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+Rules = Mapping[str, Sequence[str] | str | None]
+
+DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+    # activations and caches
+    "batch": ("data", "fsdp"),
+    "seq": (),
+    "cache_seq": (),
+    # weights
+    "vocab": ("tensor",),
+    "embed": ("fsdp",),
+    "mlp": ("tensor",),
+    "q_heads": ("tensor",),
+    "kv_heads": ("tensor",),
+    "head_dim": (),
+    "norm": (),
+}
+
+
+def _as_tuple(axes) -> tuple[str, ...]:
+  if axes is None:
+    return ()
+  if isinstance(axes, str):
+    return (axes,)
+  return tuple(axes)
+
+
+def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], mesh: Mesh,
+                    rules: Rules | None = None) -> PartitionSpec:
+  """PartitionSpec for an array of `shape` whose dimensions carry `logical_axes`."""
+  rules = DEFAULT_RULES if rules is None else rules
+  logical_axes = tuple(logical_axes)
+  if len(logical_axes) != len(shape):
+    raise ValueError(f"logical axes {logical_axes} do not match shape {tuple(shape)}")
+  used: set[str] = set()
+  spec = []
+  for name, size in zip(logical_axes, shape):
+    if name is not None and name not in rules:
+      raise KeyError(f"no sharding rule for logical axis {name!r}; rules cover {sorted(rules)}")
+    chosen = []
+    for axis in _as_tuple(None if name is None else rules[name]):
+      if axis not in mesh.shape or axis in used or mesh.shape[axis] == 1:
+        continue
+      if size % (int(np.prod([mesh.shape[a] for a in chosen])) * mesh.shape[axis]):
+        continue
+      chosen.append(axis)
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else tuple(chosen))
+  return PartitionSpec(*spec)
+
+
+def named_sharding(logical_axes, shape, mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
+
+
+def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None):
+  """`state` with each variable's value replaced by its NamedSharding."""
+
+  def leaf_sharding(variable: nnx.Variable):
+    axes = variable.get_metadata().get("logical_axes")
+    shape = variable.get_value().shape
+    if axes is None:  # not annotated: replicate
+      return variable.replace(NamedSharding(mesh, PartitionSpec()))
+    return variable.replace(named_sharding(axes, shape, mesh, rules))
+
+  return jax.tree.map(leaf_sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))

@@ -1,0 +1,533 @@
+"""Qwen2 / Qwen2.5 decoder in Flax NNX: causal LM, value model, KV cache.
+
+Weight layout (ours, not HF's): projections are stored input-major so the
+forward pass is a plain einsum, and attention projections keep the head axis
+separate so tensor parallelism over heads is explicit in the sharding spec.
+
+  embed       [V, D]        ("vocab", "embed")
+  q_proj      [D, N, H]     ("embed", "q_heads", "head_dim")   + bias [N, H]
+  k_proj/v    [D, K, H]     ("embed", "kv_heads", "head_dim")  + bias [K, H]
+  o_proj      [N, H, D]     ("q_heads", "head_dim", "embed")
+  gate/up     [D, F]        ("embed", "mlp")
+  down        [F, D]        ("mlp", "embed")
+  lm_head     [V, D]        ("vocab", "embed")   (absent when tied)
+
+Shape letters: B batch, T new tokens, S cache slots, D model width, N query
+heads, K key/value heads, G = N // K query heads per kv head, H head width,
+F MLP width, V vocabulary, L layers.
+
+Masking is by position: every key slot carries the position of the token in
+it (-1 for padding or empty), and a query at position p sees the slots with
+0 <= position <= p. That one rule covers left and right padding, prefill,
+decode and multi-turn continuation alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from flax import struct
+
+from models import checkpoint_io
+
+Array = jax.Array
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class Qwen2Config:
+  """Architecture of one Qwen2 model; the fields of HF's `config.json` we use."""
+
+  vocab_size: int
+  hidden_size: int
+  intermediate_size: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int | None = None  # None: hidden_size // num_heads, as HF does.
+  rope_theta: float = 1_000_000.0
+  rms_norm_eps: float = 1e-6
+  tie_word_embeddings: bool = False
+  max_position_embeddings: int = 32768
+  bos_token_id: int | None = 151643
+  eos_token_id: int | list[int] | None = 151645
+  initializer_range: float = 0.02
+
+  def __post_init__(self):
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"num_heads={self.num_heads} is not a multiple of "
+          f"num_kv_heads={self.num_kv_heads}")
+
+  @property
+  def head_size(self) -> int:
+    return self.head_dim or self.hidden_size // self.num_heads
+
+  @classmethod
+  def from_hf_dict(cls, hf: dict[str, Any], source: str = "config") -> "Qwen2Config":
+    """Builds a config from a parsed HF `config.json`; `source` names it in errors."""
+    model_type = hf.get("model_type")
+    architectures = hf.get("architectures") or []
+    if model_type != "qwen2" or any("Qwen2" not in a for a in architectures):
+      raise ValueError(
+          f"{source}: not a Qwen2 architecture (model_type={model_type!r}, "
+          f"architectures={architectures!r}); expected model_type 'qwen2'")
+    if hf.get("use_sliding_window"):
+      raise NotImplementedError(
+          f"{source}: use_sliding_window=true is not supported (Qwen2.5 "
+          "checkpoints ship with it off)")
+    rope_scaling = hf.get("rope_scaling")
+    if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) != "default":
+      raise NotImplementedError(f"{source}: rope_scaling={rope_scaling!r} is not supported")
+    if hf.get("hidden_act", "silu") != "silu":
+      raise NotImplementedError(f"{source}: hidden_act={hf['hidden_act']!r} is not supported")
+    required = ("vocab_size", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if k not in hf]
+    if missing:
+      raise ValueError(f"{source}: missing fields {missing}")
+    return cls(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+        head_dim=hf.get("head_dim"),
+        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=hf.get("eos_token_id"),
+        initializer_range=hf.get("initializer_range", 0.02),
+    )
+
+  def to_hf_dict(self, torch_dtype: str) -> dict[str, Any]:
+    hf = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "vocab_size": self.vocab_size,
+        "hidden_size": self.hidden_size,
+        "intermediate_size": self.intermediate_size,
+        "num_hidden_layers": self.num_layers,
+        "num_attention_heads": self.num_heads,
+        "num_key_value_heads": self.num_kv_heads,
+        "hidden_act": "silu",
+        "rope_theta": self.rope_theta,
+        "rms_norm_eps": self.rms_norm_eps,
+        "tie_word_embeddings": self.tie_word_embeddings,
+        "max_position_embeddings": self.max_position_embeddings,
+        "bos_token_id": self.bos_token_id,
+        "eos_token_id": self.eos_token_id,
+        "initializer_range": self.initializer_range,
+        "use_sliding_window": False,
+        "attention_dropout": 0.0,
+        "torch_dtype": torch_dtype,
+    }
+    if self.head_dim is not None:
+      hf["head_dim"] = self.head_dim
+    return hf
+
+
+def _qwen25(hidden, inter, layers, heads, kv_heads, eps, tied):
+  return Qwen2Config(
+      vocab_size=151936 if tied else 152064, hidden_size=hidden,
+      intermediate_size=inter, num_layers=layers, num_heads=heads,
+      num_kv_heads=kv_heads, rms_norm_eps=eps, tie_word_embeddings=tied)
+
+
+# Shapes of the released Qwen2.5(-Instruct) models, for planning and benchmarks
+# with abstract or random weights; real runs read the checkpoint's config.json.
+PRESETS: dict[str, Qwen2Config] = {
+    "qwen2.5-0.5b": _qwen25(896, 4864, 24, 14, 2, 1e-6, True),
+    "qwen2.5-1.5b": _qwen25(1536, 8960, 28, 12, 2, 1e-6, True),
+    "qwen2.5-3b": _qwen25(2048, 11008, 36, 16, 2, 1e-6, True),
+    "qwen2.5-7b": _qwen25(3584, 18944, 28, 28, 4, 1e-6, False),
+    "qwen2.5-14b": _qwen25(5120, 13824, 48, 40, 8, 1e-5, False),
+    "qwen2.5-32b": _qwen25(5120, 27648, 64, 40, 8, 1e-5, False),
+    "qwen2.5-72b": _qwen25(8192, 29568, 80, 64, 8, 1e-5, False),
+}
+
+
+@struct.dataclass
+class KVCache:
+  """Static-shape decoding cache shared by all layers.
+
+  Every call appends its T new tokens (padding included) at slots
+  [length, length + T) of every row; padding slots get position -1 and are
+  never attended. The caller keeps length + T <= S (the sampler checks it).
+  """
+
+  k: tuple[Array, ...]  # L x [B, S, K, H]
+  v: tuple[Array, ...]  # L x [B, S, K, H]
+  kv_positions_bs: Array  # int32 [B, S], -1 where empty or padding
+  length: Array  # int32 [], slots written so far
+
+  @classmethod
+  def init(cls, config: Qwen2Config, batch_size: int, max_len: int,
+           dtype=jnp.bfloat16) -> "KVCache":
+    shape = (batch_size, max_len, config.num_kv_heads, config.head_size)
+    # Distinct buffers per layer and for k and v, so each can be donated.
+    def zeros():
+      return tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    return cls(k=zeros(), v=zeros(),
+               kv_positions_bs=jnp.full((batch_size, max_len), -1, jnp.int32),
+               length=jnp.zeros((), jnp.int32))
+
+  @property
+  def max_len(self) -> int:
+    return self.kv_positions_bs.shape[1]
+
+  @property
+  def next_positions_b(self) -> Array:
+    """Position the next real token of each row gets."""
+    return jnp.max(self.kv_positions_bs, axis=1) + 1
+
+
+# Logical axes of the cache arrays, for placing them on a mesh.
+KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+
+
+def _param(rngs: nnx.Rngs, shape, axes, param_dtype, std: float | None):
+  if std is None:
+    value = jnp.ones(shape, param_dtype)
+  elif std == 0.0:
+    value = jnp.zeros(shape, param_dtype)
+  else:
+    value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(param_dtype)
+  return nnx.Param(value, logical_axes=axes)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
+    self.eps = eps
+    self.scale = _param(rngs, (dim,), ("norm",), param_dtype, std=None)
+
+  def __call__(self, x):
+    # Normalise in fp32, then scale in the compute dtype, as HF does.
+    x32 = x.astype(jnp.float32)
+    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return self.scale[...].astype(x.dtype) * x32.astype(x.dtype)
+
+
+def rope(x_btnh: Array, positions_bt: Array, theta: float) -> Array:
+  """Rotary embedding, HF's rotate-half convention, angles in fp32."""
+  head = x_btnh.shape[-1]
+  inv_freq_h2 = 1.0 / (theta ** (jnp.arange(0, head, 2, dtype=jnp.float32) / head))
+  angles_bth2 = positions_bt.astype(jnp.float32)[..., None] * inv_freq_h2
+  cos = jnp.cos(angles_bth2)[:, :, None, :]
+  sin = jnp.sin(angles_bth2)[:, :, None, :]
+  x1, x2 = jnp.split(x_btnh.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_btnh.dtype)
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, config: Qwen2Config, *, param_dtype, rngs: nnx.Rngs):
+    d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_size
+    std = config.initializer_range
+    self.theta = config.rope_theta
+    self.q_proj = _param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), param_dtype, std)
+    self.q_bias = _param(rngs, (n, h), ("q_heads", "head_dim"), param_dtype, 0.0)
+    self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, std)
+    self.k_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, 0.0)
+    self.v_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, std)
+    self.v_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, 0.0)
+    self.o_proj = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), param_dtype, std)
+
+  def __call__(self, x_btd, positions_bt, mask_bts, k_cache_bskh=None, v_cache_bskh=None,
+               write_index=None):
+    """Returns the attention output and this layer's keys/values ([B, S, K, H])."""
+    dtype = x_btd.dtype
+    q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dtype))
+    q_btnh = q_btnh + self.q_bias[...].astype(dtype)
+    k_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.k_proj[...].astype(dtype))
+    k_btkh = k_btkh + self.k_bias[...].astype(dtype)
+    v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj[...].astype(dtype))
+    v_btkh = v_btkh + self.v_bias[...].astype(dtype)
+    q_btnh = rope(q_btnh, positions_bt, self.theta)
+    k_btkh = rope(k_btkh, positions_bt, self.theta)
+
+    if k_cache_bskh is None:
+      k_bskh, v_bskh = k_btkh, v_btkh
+    else:
+      start = (0, write_index, 0, 0)
+      k_bskh = jax.lax.dynamic_update_slice(k_cache_bskh, k_btkh.astype(k_cache_bskh.dtype), start)
+      v_bskh = jax.lax.dynamic_update_slice(v_cache_bskh, v_btkh.astype(v_cache_bskh.dtype), start)
+
+    b, t, n, h = q_btnh.shape
+    kv_heads = k_bskh.shape[2]
+    q_btkgh = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h)
+    logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(dtype),
+                              preferred_element_type=jnp.float32)
+    logits_bkgts = logits_bkgts * (h ** -0.5)
+    logits_bkgts = jnp.where(mask_bts[:, None, None], logits_bkgts, _MASK_VALUE)
+    probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(dtype)
+    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh.astype(dtype))
+    out_btnh = out_btkgh.reshape(b, t, n, h)
+    out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_proj[...].astype(dtype))
+    return out_btd, k_bskh, v_bskh
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, config: Qwen2Config, *, param_dtype, rngs: nnx.Rngs):
+    d, f, std = config.hidden_size, config.intermediate_size, config.initializer_range
+    self.gate_proj = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, std)
+    self.up_proj = _param(rngs, (d, f), ("embed", "mlp"), param_dtype, std)
+    self.down_proj = _param(rngs, (f, d), ("mlp", "embed"), param_dtype, std)
+
+  def __call__(self, x_btd):
+    dtype = x_btd.dtype
+    gate_btf = jnp.einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dtype))
+    up_btf = jnp.einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dtype))
+    return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_btf) * up_btf,
+                      self.down_proj[...].astype(dtype))
+
+
+class DecoderLayer(nnx.Module):
+
+  def __init__(self, config: Qwen2Config, *, param_dtype, rngs: nnx.Rngs):
+    kw = dict(param_dtype=param_dtype, rngs=rngs)
+    self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+    self.attn = Attention(config, **kw)
+    self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+    self.mlp = MLP(config, **kw)
+
+  def __call__(self, x_btd, positions_bt, mask_bts, k_cache=None, v_cache=None, write_index=None):
+    attn_btd, k, v = self.attn(self.input_norm(x_btd), positions_bt, mask_bts,
+                               k_cache, v_cache, write_index)
+    x_btd = x_btd + attn_btd
+    x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
+    return x_btd, k, v
+
+
+def _layer_forward(layer, x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index):
+  return layer(x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index)
+
+
+_remat_layer_forward = nnx.remat(_layer_forward)
+
+
+def default_positions(attention_mask_bt: Array, cache: KVCache | None) -> Array:
+  """Positions of new tokens: consecutive over real tokens, after the cache's."""
+  mask = attention_mask_bt.astype(jnp.int32)
+  offset_b = 0 if cache is None else cache.next_positions_b
+  positions_bt = jnp.cumsum(mask, axis=1) - 1 + jnp.asarray(offset_b)[..., None]
+  return jnp.maximum(positions_bt, 0)
+
+
+class Qwen2Backbone(nnx.Module):
+  """Embedding, decoder stack and final norm: token ids to hidden states."""
+
+  def __init__(self, config: Qwen2Config, *, dtype=jnp.float32, param_dtype=None,
+               remat: bool = False, rngs: nnx.Rngs):
+    param_dtype = param_dtype or dtype
+    self.config = config
+    self.dtype = jnp.dtype(dtype)
+    self.remat = remat
+    kw = dict(param_dtype=param_dtype, rngs=rngs)
+    self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
+                        param_dtype, config.initializer_range)
+    self.layers = nnx.List([DecoderLayer(config, **kw) for _ in range(config.num_layers)])
+    self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
+
+  def __call__(self, input_ids_bt, *, positions=None, attention_mask=None, cache=None):
+    """Returns hidden states [B, T, D] and the updated cache (or None)."""
+    if attention_mask is None:
+      attention_mask = jnp.ones(input_ids_bt.shape, jnp.bool_)
+    attention_mask_bt = attention_mask.astype(jnp.bool_)
+    positions_bt = (default_positions(attention_mask_bt, cache) if positions is None
+                    else positions.astype(jnp.int32))
+    new_kv_positions_bt = jnp.where(attention_mask_bt, positions_bt, -1)
+
+    if cache is None:
+      kv_positions_bs = new_kv_positions_bt
+      write_index = None
+    else:
+      write_index = cache.length
+      kv_positions_bs = jax.lax.dynamic_update_slice(
+          cache.kv_positions_bs, new_kv_positions_bt, (0, write_index))
+    kv_positions_b1s = kv_positions_bs[:, None, :]
+    mask_bts = (kv_positions_b1s >= 0) & (kv_positions_b1s <= positions_bt[:, :, None])
+
+    x_btd = self.embed[...][input_ids_bt].astype(self.dtype)
+    forward = _remat_layer_forward if self.remat else _layer_forward
+    new_k, new_v = [], []
+    for i, layer in enumerate(self.layers):
+      k_cache = None if cache is None else cache.k[i]
+      v_cache = None if cache is None else cache.v[i]
+      x_btd, k, v = forward(layer, x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index)
+      new_k.append(k)
+      new_v.append(v)
+    x_btd = self.final_norm(x_btd)
+
+    if cache is None:
+      return x_btd, None
+    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), kv_positions_bs=kv_positions_bs,
+                        length=cache.length + input_ids_bt.shape[1])
+    return x_btd, new_cache
+
+
+class Qwen2(nnx.Module):
+  """Qwen2ForCausalLM: `model(ids)` gives float32 logits [B, T, V].
+
+  With `cache=` it returns `(logits, new_cache)`.
+  """
+
+  NOT_IN_CHECKPOINT = ()
+
+  def __init__(self, config: Qwen2Config, *, dtype=jnp.float32, param_dtype=None,
+               remat: bool = False, rngs: nnx.Rngs):
+    self.config = config
+    self.backbone = Qwen2Backbone(config, dtype=dtype, param_dtype=param_dtype,
+                                  remat=remat, rngs=rngs)
+    if not config.tie_word_embeddings:
+      self.lm_head = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
+                            param_dtype or dtype, config.initializer_range)
+
+  def unembedding(self) -> Array:
+    weight = self.backbone.embed if self.config.tie_word_embeddings else self.lm_head
+    return weight[...]
+
+  def __call__(self, input_ids_bt, *, positions=None, attention_mask=None, cache=None):
+    hidden_btd, new_cache = self.backbone(input_ids_bt, positions=positions,
+                                          attention_mask=attention_mask, cache=cache)
+    logits_btv = jnp.einsum("btd,vd->btv", hidden_btd,
+                            self.unembedding().astype(hidden_btd.dtype),
+                            preferred_element_type=jnp.float32)
+    return logits_btv if cache is None else (logits_btv, new_cache)
+
+
+class Qwen2Value(nnx.Module):
+  """Critic: the Qwen2 backbone plus a scalar head; `model(ids)` gives values [B, T]."""
+
+  NOT_IN_CHECKPOINT = (("value_head",), ("value_bias",))
+
+  def __init__(self, config: Qwen2Config, *, dtype=jnp.float32, param_dtype=None,
+               remat: bool = False, rngs: nnx.Rngs):
+    self.config = config
+    self.backbone = Qwen2Backbone(config, dtype=dtype, param_dtype=param_dtype,
+                                  remat=remat, rngs=rngs)
+    # Zero-initialised so a fresh critic predicts 0 and early updates stay small.
+    self.value_head = _param(rngs, (config.hidden_size,), ("embed",), jnp.float32, 0.0)
+    self.value_bias = _param(rngs, (), (), jnp.float32, 0.0)
+
+  def __call__(self, input_ids_bt, *, positions=None, attention_mask=None):
+    hidden_btd, _ = self.backbone(input_ids_bt, positions=positions,
+                                  attention_mask=attention_mask)
+    values_bt = jnp.einsum("btd,d->bt", hidden_btd.astype(jnp.float32), self.value_head[...])
+    return values_bt + self.value_bias[...]
+
+
+def hf_tensor_mappings(config: Qwen2Config, *, lm_head: bool) -> list[checkpoint_io.TensorMapping]:
+  """HF tensor names and layouts against our state paths.
+
+  HF linear weights are [out, in]; ours are input-major with heads split out.
+  """
+  d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_size
+  tm = checkpoint_io.TensorMapping
+
+  def heads_in(heads):  # HF [heads * H, D] -> ours [D, heads, H]
+    return dict(
+        to_ours=lambda w: w.T.reshape(d, heads, h),
+        to_hf=lambda w: w.reshape(d, heads * h).T)
+
+  dense = dict(to_ours=lambda w: w.T, to_hf=lambda w: w.T)  # HF [out, in] -> ours [in, out]
+
+  mappings = [tm("model.embed_tokens.weight", ("backbone", "embed")),
+              tm("model.norm.weight", ("backbone", "final_norm", "scale"))]
+  for i in range(config.num_layers):
+    hf, ours = f"model.layers.{i}", ("backbone", "layers", i)
+    mappings += [
+        tm(f"{hf}.input_layernorm.weight", ours + ("input_norm", "scale")),
+        tm(f"{hf}.post_attention_layernorm.weight", ours + ("post_attn_norm", "scale")),
+        tm(f"{hf}.mlp.gate_proj.weight", ours + ("mlp", "gate_proj"), **dense),
+        tm(f"{hf}.mlp.up_proj.weight", ours + ("mlp", "up_proj"), **dense),
+        tm(f"{hf}.mlp.down_proj.weight", ours + ("mlp", "down_proj"), **dense),
+        tm(f"{hf}.self_attn.o_proj.weight", ours + ("attn", "o_proj"),
+           to_ours=lambda w: w.T.reshape(n, h, d), to_hf=lambda w: w.reshape(n * h, d).T),
+    ]
+    for name, heads in (("q", n), ("k", k), ("v", k)):
+      mappings += [
+          tm(f"{hf}.self_attn.{name}_proj.weight", ours + ("attn", f"{name}_proj"),
+             **heads_in(heads)),
+          tm(f"{hf}.self_attn.{name}_proj.bias", ours + ("attn", f"{name}_bias"),
+             to_ours=lambda b, heads=heads: b.reshape(heads, h),
+             to_hf=lambda b, heads=heads: b.reshape(heads * h)),
+      ]
+  if lm_head:
+    mappings.append(tm("lm_head.weight", ("lm_head",)))
+  return mappings
+
+
+def _ignorable(lm_head_in_model: bool):
+  def ignorable(name: str) -> bool:
+    # Old exports carry RoPE buffers; tied or critic models may carry an lm_head.
+    return name.endswith("rotary_emb.inv_freq") or (
+        name == "lm_head.weight" and not lm_head_in_model)
+  return ignorable
+
+
+def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat):
+  path = os.fspath(path)
+  config = Qwen2Config.from_hf_dict(checkpoint_io.read_hf_config(path),
+                                    source=os.path.join(path, "config.json"))
+  dtype = jnp.dtype(dtype)
+  param_dtype = jnp.dtype(param_dtype or dtype)
+  lm_head = model_cls is Qwen2 and not config.tie_word_embeddings
+  return checkpoint_io.load(
+      path,
+      build_model=lambda: model_cls(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
+                                    rngs=nnx.Rngs(0)),
+      mappings=hf_tensor_mappings(config, lm_head=lm_head),
+      ignorable=_ignorable(lm_head),
+      zero_init=model_cls.NOT_IN_CHECKPOINT,
+      mesh=mesh, rules=rules)
+
+
+def from_pretrained(path, dtype="float32", param_dtype=None, mesh=None, rules=None,
+                    remat: bool = False) -> Qwen2:
+  """Loads an HF Qwen2 checkpoint directory (config.json + safetensors).
+
+  `dtype` is the compute dtype, `param_dtype` the storage dtype (default:
+  `dtype`). With a `mesh`, each tensor goes straight into its sharding.
+  """
+  return _load(Qwen2, path, dtype, param_dtype, mesh, rules, remat)
+
+
+def value_model_from_pretrained(path, dtype="float32", param_dtype=None, mesh=None,
+                                rules=None, remat: bool = False) -> Qwen2Value:
+  """A critic whose backbone starts from a policy checkpoint; the head starts at 0."""
+  return _load(Qwen2Value, path, dtype, param_dtype, mesh, rules, remat)
+
+
+def save_pretrained(model: Qwen2, out_dir, dtype: str | None = None,
+                    max_shard_bytes: int = 5 * 2**30) -> None:
+  """Writes `model` in HF layout (config.json + safetensors) that `transformers` loads.
+
+  `dtype` converts on the way out (default: the stored parameter dtype).
+  """
+  if not isinstance(model, Qwen2):
+    raise TypeError(f"save_pretrained writes Qwen2 causal LMs, got {type(model).__name__}")
+  config = model.config
+  stored = jnp.dtype(model.backbone.embed.get_value().dtype if dtype is None else dtype)
+  checkpoint_io.save(
+      model, os.fspath(out_dir),
+      mappings=hf_tensor_mappings(config, lm_head=not config.tie_word_embeddings),
+      hf_config=config.to_hf_dict(torch_dtype=stored.name),
+      dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def init_random(config: Qwen2Config, seed: int = 0, dtype="float32", param_dtype=None,
+                remat: bool = False) -> Qwen2:
+  return Qwen2(config, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype or dtype),
+               remat=remat, rngs=nnx.Rngs(seed))

@@ -1,0 +1,1 @@
+"""Multi-turn rollouts, advantages, losses and train steps."""

@@ -1,0 +1,1 @@
+"""Wiring: meshes and sharding, CLIs, the trainer loop, checkpoints, metrics."""

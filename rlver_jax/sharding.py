@@ -1,0 +1,98 @@
+"""Meshes, multi-host start-up and placing models on a mesh.
+
+A mesh config names axes and sizes, e.g. `{"data": 1, "fsdp": -1, "tensor": 2}`;
+one size may be -1 for "all remaining devices". Weights map to mesh axes
+through the logical-axis rules of `models.partitioning` (overridable per run).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Mapping
+
+import jax
+from absl import logging
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from models import partitioning
+
+DEFAULT_MESH_AXES = {"data": 1, "fsdp": -1, "tensor": 1}
+
+
+def maybe_initialize_distributed(force: bool = False) -> bool:
+  """Calls `jax.distributed.initialize()` on multi-host launches; returns whether it did.
+
+  Multi-host is recognised from a coordinator address, a multi-worker TPU VM,
+  or SLURM with several tasks. Must run before any other JAX call.
+  """
+  multi_worker_tpu = len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
+  slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
+  if not (force or "JAX_COORDINATOR_ADDRESS" in os.environ or multi_worker_tpu or slurm):
+    return False
+  jax.distributed.initialize()
+  logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
+               jax.process_index(), jax.process_count(), jax.local_device_count(),
+               jax.device_count())
+  return True
+
+
+def resolve_mesh_shape(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+  """Fills the one -1 axis so the sizes multiply to `num_devices`."""
+  sizes = dict(axes)
+  unknown = [name for name, size in sizes.items() if size == -1]
+  if len(unknown) > 1:
+    raise ValueError(f"mesh {sizes}: at most one axis may be -1, got {unknown}")
+  known = math.prod(size for size in sizes.values() if size != -1)
+  if any(size == 0 or size < -1 for size in sizes.values()):
+    raise ValueError(f"mesh {sizes}: sizes must be positive or -1")
+  if unknown:
+    if num_devices % known:
+      raise ValueError(f"mesh {sizes}: {num_devices} devices do not divide by {known}")
+    sizes[unknown[0]] = num_devices // known
+  if math.prod(sizes.values()) != num_devices:
+    raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, "
+                     f"{num_devices} are available")
+  return sizes
+
+
+def make_mesh(axes: Mapping[str, int] | None = None, devices=None) -> Mesh:
+  devices = jax.devices() if devices is None else devices
+  sizes = resolve_mesh_shape(axes or DEFAULT_MESH_AXES, len(devices))
+  # Auto axes: shardings propagate through the model as in pjit.
+  return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
+                       axis_types=(AxisType.Auto,) * len(sizes))
+
+
+def batch_sharding(mesh: Mesh, shape, rules=None) -> NamedSharding:
+  """Shards the leading (batch) axis over the data axes, replicates the rest."""
+  logical = ("batch",) + (None,) * (len(shape) - 1)
+  return partitioning.named_sharding(logical, shape, mesh, rules)
+
+
+def shard_model(model: nnx.Module, mesh: Mesh, rules=None) -> nnx.Module:
+  """Moves every weight of `model` into the sharding its logical axes ask for."""
+  graphdef, state = nnx.split(model)
+  state = jax.device_put(state, partitioning.state_shardings(state, mesh, rules))
+  return nnx.merge(graphdef, state)
+
+
+def jit_batched_apply(model: nnx.Module, mesh: Mesh, batch_shapes, rules=None):
+  """Jits `model(*batch)` as `apply(state, *batch)` with explicit shardings.
+
+  Weights go in their logical shardings, every batch array and the output
+  are sharded over the batch axes. Returns `(apply, state)` with `state`
+  already placed.
+  """
+  graphdef, state = nnx.split(model)
+  state_shardings = partitioning.state_shardings(state, mesh, rules)
+  batch_shardings = tuple(batch_sharding(mesh, shape, rules) for shape in batch_shapes)
+
+  def apply(state, *batch):
+    return nnx.merge(graphdef, state)(*batch)
+
+  out_shape = jax.eval_shape(apply, state, *(jax.ShapeDtypeStruct(s, "int32") for s in batch_shapes))
+  jitted = jax.jit(apply, in_shardings=(state_shardings,) + batch_shardings,
+                   out_shardings=batch_sharding(mesh, out_shape.shape, rules))
+  return jitted, jax.device_put(state, state_shardings)

@@ -1,0 +1,33 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rlver_jax",
+    version="0.1.0",
+    description="RLVER (RL with verifiable emotion rewards) in JAX/Flax for TPU and GPU meshes",
+    python_requires=">=3.10",
+    packages=find_packages(include=["rlver_jax*", "models*", "rl*", "sim_user*", "configs*"]),
+    package_data={"sim_user": ["prompts/*", "data/*"], "rlver_jax": ["assets/**/*"]},
+    install_requires=[
+        "jax>=0.6",
+        "flax>=0.12",
+        "optax",
+        "orbax-checkpoint",
+        "transformers>=4.45",
+        "tokenizers",
+        "sentencepiece",
+        "tensorflow-datasets",
+        "ml-collections",
+        "absl-py",
+        "ml_dtypes",
+        "numpy",
+        "tqdm",
+        "tensorboardX",
+        "matplotlib",
+    ],
+    extras_require={
+        # torch is the reference for parity tests only; install the CPU wheel
+        # first (see README) so pip does not pull a CUDA build.
+        "test": ["pytest", "hypothesis", "torch"],
+        "bench": ["torch", "google-tunix"],
+    },
+)

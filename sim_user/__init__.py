@@ -1,0 +1,1 @@
+"""The simulated user: profiles, prompts, parser, emotion dynamics, backends."""

@@ -1,0 +1,93 @@
+"""Meshes and sharded forward passes on 8 fake CPU devices."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from models import partitioning, qwen2
+from rlver_jax import sharding
+from tests.hf_fixtures import make_hf_qwen2
+
+
+def test_eight_fake_devices():
+  assert jax.device_count() == 8
+
+
+def test_mesh_fills_the_minus_one_axis():
+  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == {
+      "data": 2, "fsdp": 2, "tensor": 2}
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+
+
+@pytest.mark.parametrize("axes,message", [
+    ({"data": -1, "fsdp": -1}, "at most one axis"),
+    ({"data": 3, "fsdp": -1}, "do not divide"),
+    ({"data": 2, "fsdp": 2}, "needs 4 devices, 8 are available"),
+    ({"data": 0, "fsdp": -1}, "positive"),
+])
+def test_mesh_errors(axes, message):
+  with pytest.raises(ValueError, match=message):
+    sharding.resolve_mesh_shape(axes, 8)
+
+
+def test_logical_rules_are_shape_aware():
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+  # 2 kv heads do not split over tensor=4: replicated on that dim.
+  assert partitioning.logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 2, 16), mesh) == P(
+      "fsdp", None, None)
+  assert partitioning.logical_to_spec(("embed", "q_heads", "head_dim"), (64, 8, 16), mesh) == P(
+      "fsdp", "tensor", None)
+  # batch over data and fsdp; data has size 1 so only fsdp remains.
+  assert partitioning.logical_to_spec(("batch", None), (6, 3), mesh) == P("fsdp", None)
+  # A mesh axis is never used twice in one spec.
+  assert partitioning.logical_to_spec(("mlp", "vocab"), (8, 8), mesh) == P("tensor", None)
+  with pytest.raises(KeyError, match="no sharding rule for logical axis 'bogus'"):
+    partitioning.logical_to_spec(("bogus",), (4,), mesh)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+  path = tmp_path_factory.mktemp("ckpt")
+  make_hf_qwen2(path, heads=4, kv_heads=2, hidden=64, intermediate=96, vocab=128)
+  return path
+
+
+@pytest.mark.parametrize("axes", [{"data": 1, "fsdp": 4, "tensor": 2},
+                                  {"data": 2, "fsdp": 2, "tensor": 2}])
+def test_sharded_forward_equals_unsharded(checkpoint, axes):
+  mesh = sharding.make_mesh(axes)
+  reference = qwen2.from_pretrained(checkpoint)
+  sharded = qwen2.from_pretrained(checkpoint, mesh=mesh)
+
+  # Each device holds only its shard of a weight loaded with a mesh.
+  q_proj = sharded.backbone.layers[0].attn.q_proj.get_value()  # [D=64, N=4, H=16]
+  assert q_proj.sharding.spec == P("fsdp", "tensor", None)
+  shard_shape = q_proj.addressable_shards[0].data.shape
+  assert shard_shape == (64 // axes["fsdp"], 4 // axes["tensor"], 16)
+
+  ids = np.random.RandomState(0).randint(0, 128, (8, 12)).astype(np.int32)
+  apply, state = sharding.jit_batched_apply(sharded, mesh, [ids.shape])
+  logits = apply(state, ids)
+  assert logits.sharding.spec[0] is not None  # batch stays sharded
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(reference(jnp.asarray(ids))),
+                             atol=1e-5, rtol=0)
+
+
+def test_shard_model_places_a_random_model(checkpoint):
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  model = qwen2.from_pretrained(checkpoint)
+  placed = sharding.shard_model(model, mesh)
+  embed = placed.backbone.embed.get_value()  # [V=128, D=64]: vocab->tensor, embed->fsdp
+  assert embed.sharding.spec == P("tensor", "fsdp")
+  ids = jnp.asarray(np.random.RandomState(1).randint(0, 128, (4, 5)), jnp.int32)
+  np.testing.assert_allclose(np.asarray(jax.jit(lambda m, x: m(x))(placed, ids)),
+                             np.asarray(model(ids)), atol=1e-5, rtol=0)
+
+
+def test_distributed_is_not_initialised_on_one_host(monkeypatch):
+  for name in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS"):
+    monkeypatch.delenv(name, raising=False)
+  assert sharding.maybe_initialize_distributed() is False
