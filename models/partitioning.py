@@ -66,6 +66,12 @@ def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], me
   return PartitionSpec(*spec)
 
 
+def mesh_axes(logical_name: str, mesh: Mesh, rules: Rules | None = None) -> tuple[str, ...]:
+  """The mesh axes (of size > 1) that a logical axis maps to, ignoring divisibility."""
+  rules = DEFAULT_RULES if rules is None else rules
+  return tuple(a for a in _as_tuple(rules.get(logical_name)) if mesh.shape.get(a, 1) > 1)
+
+
 def named_sharding(logical_axes, shape, mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
   return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
 

@@ -398,12 +398,15 @@ class Qwen2(nnx.Module):
     weight = self.backbone.embed if self.config.tie_word_embeddings else self.lm_head
     return weight[...]
 
+  def logits(self, hidden_btd) -> Array:
+    """float32 logits of hidden states (fp32 accumulation also in bf16)."""
+    return jnp.einsum("btd,vd->btv", hidden_btd, self.unembedding().astype(hidden_btd.dtype),
+                      preferred_element_type=jnp.float32)
+
   def __call__(self, input_ids_bt, *, positions=None, attention_mask=None, cache=None):
     hidden_btd, new_cache = self.backbone(input_ids_bt, positions=positions,
                                           attention_mask=attention_mask, cache=cache)
-    logits_btv = jnp.einsum("btd,vd->btv", hidden_btd,
-                            self.unembedding().astype(hidden_btd.dtype),
-                            preferred_element_type=jnp.float32)
+    logits_btv = self.logits(hidden_btd)
     return logits_btv if cache is None else (logits_btv, new_cache)
 
 

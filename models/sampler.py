@@ -1,0 +1,315 @@
+"""Jitted KV-cache sampling for Qwen2: prefill, a `lax.while_loop` decode, multi-turn reuse.
+
+The model is split once into a graphdef (static, closed over by the jitted
+functions) and its state (weights, passed as an argument), so new weights
+from a train step are used without retracing. The cache is donated to every
+call and comes back updated.
+
+Shapes are bucketed so that new prompt lengths rarely recompile: the batch is
+padded to a power of two (and a multiple of the data-parallel size), each new
+chunk of tokens to a power of two, and the cache to a power of two of slots.
+New chunks are left-padded so that the last column holds every row's last
+real token; padding slots carry position -1 and are never attended.
+
+A `Conversations` object is the device state of a batch of dialogues. Each
+`extend` call prefills only the new tokens of every row (the user's reply and
+the next role header) after what the cache already holds, then decodes; a
+dialogue of T turns never re-prefills its history. `select` keeps a subset
+of rows (finished dialogues drop out) by gathering their cache rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models import partitioning
+from models.qwen2 import KV_CACHE_AXES, KVCache, Qwen2
+
+STOP = "stop"
+LENGTH = "length"
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  max_new_tokens: int = 256
+  temperature: float = 1.0  # 0: greedy
+  top_k: int = 0  # 0: off
+  top_p: float = 1.0  # 1: off
+  seed: int = 0
+
+  def __post_init__(self):
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+    if self.temperature < 0:
+      raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+    if self.top_k < 0:
+      raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclasses.dataclass
+class SampleOutput:
+  """One entry per prompt row. Token lists include the stop token when one was hit."""
+
+  tokens: list[list[int]]
+  logprobs: list[list[float]]
+  stop_reasons: list[str]
+
+  @property
+  def lengths(self) -> list[int]:
+    return [len(t) for t in self.tokens]
+
+
+@dataclasses.dataclass
+class Conversations:
+  """Device state of a batch of dialogues: the KV cache and how many rows are real."""
+
+  cache: KVCache
+  num_rows: int
+
+  @property
+  def batch_size(self) -> int:
+    return self.cache.kv_positions_bs.shape[0]
+
+  @property
+  def capacity(self) -> int:
+    return self.cache.max_len
+
+
+def _next_pow2(n: int, minimum: int = 1) -> int:
+  return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+def sample_logits(logits_bv, key, temperature, top_p, *, greedy: bool, top_k: int,
+                  use_top_p: bool):
+  """Samples one token per row; returns (tokens [B], logprobs [B]).
+
+  Log-probabilities are of the sampled token under softmax(logits / T) before
+  top-k/top-p truncation (raw logits when greedy): the policy's own
+  distribution, as RL needs it.
+  """
+  logits_bv = logits_bv.astype(jnp.float32)
+  if greedy:
+    tokens_b = jnp.argmax(logits_bv, axis=-1)
+    logprobs_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+  else:
+    logits_bv = logits_bv / temperature
+    logprobs_bv = jax.nn.log_softmax(logits_bv, axis=-1)
+    filtered_bv = logits_bv
+    if top_k:
+      kth_b1 = jax.lax.top_k(logits_bv, top_k)[0][:, -1:]
+      filtered_bv = jnp.where(logits_bv < kth_b1, -jnp.inf, filtered_bv)
+    if use_top_p:
+      sorted_bv = -jnp.sort(-filtered_bv, axis=-1)
+      probs_bv = jax.nn.softmax(sorted_bv, axis=-1)
+      # Keep the smallest prefix whose mass reaches top_p (at least one token).
+      kept_b = jnp.sum(jnp.cumsum(probs_bv, axis=-1) - probs_bv < top_p, axis=-1)
+      threshold_b1 = jnp.take_along_axis(sorted_bv, kept_b[:, None] - 1, axis=-1)
+      filtered_bv = jnp.where(filtered_bv < threshold_b1, -jnp.inf, filtered_bv)
+    tokens_b = jax.random.categorical(key, filtered_bv, axis=-1)
+  logprob_b = jnp.take_along_axis(logprobs_bv, tokens_b[:, None], axis=-1)[:, 0]
+  return tokens_b.astype(jnp.int32), logprob_b
+
+
+class Sampler:
+  """Generation engine for one Qwen2 policy.
+
+  `stop_token_ids` end a row (the stop token is returned as its last token);
+  `pad_id` fills padding. With a `mesh`, batch rows shard over the data axes
+  and the cache's kv heads over the tensor axis, like the weights.
+  """
+
+  def __init__(self, model: Qwen2, *, stop_token_ids: Sequence[int], pad_id: int = 0,
+               mesh: Mesh | None = None, rules=None, cache_dtype=None,
+               min_chunk_bucket: int = 16, min_cache_bucket: int = 256):
+    self.config = model.config
+    self.graphdef, self.state = nnx.split(model)
+    self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
+    self.pad_id = int(pad_id)
+    self.mesh = mesh
+    self.rules = rules
+    self.cache_dtype = jnp.dtype(cache_dtype or model.backbone.dtype)
+    self.min_chunk_bucket = min_chunk_bucket
+    self.min_cache_bucket = min_cache_bucket
+    if mesh is not None:
+      self.state = jax.device_put(self.state,
+                                  partitioning.state_shardings(self.state, mesh, rules))
+    self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=(1,))
+    self._decode = jax.jit(
+        functools.partial(_decode, self.graphdef, self.stop_token_ids, self.pad_id),
+        donate_argnums=(1,), static_argnames=("max_new_tokens", "greedy", "top_k", "use_top_p"))
+
+  def update_weights(self, model_or_state) -> None:
+    """Uses new weights (a model or its state) without recompiling."""
+    state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
+    self.state = state
+
+  # Placement.
+
+  def _data_parallel_size(self) -> int:
+    if self.mesh is None:
+      return 1
+    axes = partitioning.mesh_axes("batch", self.mesh, self.rules)
+    return math.prod(self.mesh.shape[a] for a in axes)
+
+  def _sharding(self, logical_axes, shape):
+    if self.mesh is None:
+      return None
+    return partitioning.named_sharding(logical_axes, shape, self.mesh, self.rules)
+
+  def _put(self, array, logical_axes):
+    sharding = self._sharding(logical_axes, array.shape)
+    return jnp.asarray(array) if sharding is None else jax.device_put(array, sharding)
+
+  def _place_cache(self, cache: KVCache) -> KVCache:
+    if self.mesh is None:
+      return cache
+    kv = self._sharding(KV_CACHE_AXES, cache.k[0].shape)
+    return KVCache(
+        k=tuple(jax.device_put(x, kv) for x in cache.k),
+        v=tuple(jax.device_put(x, kv) for x in cache.v),
+        kv_positions_bs=jax.device_put(
+            cache.kv_positions_bs,
+            self._sharding(("batch", "cache_seq"), cache.kv_positions_bs.shape)),
+        length=jax.device_put(cache.length, NamedSharding(self.mesh, PartitionSpec())))
+
+  # Conversations.
+
+  def start(self, num_rows: int, capacity: int = 0) -> Conversations:
+    """An empty batch of `num_rows` dialogues (capacity grows on demand)."""
+    batch = _next_pow2(num_rows)
+    batch = math.lcm(batch, self._data_parallel_size())
+    slots = _next_pow2(capacity, self.min_cache_bucket)
+    cache = KVCache.init(self.config, batch, slots, self.cache_dtype)
+    return Conversations(cache=self._place_cache(cache), num_rows=num_rows)
+
+  def _grow(self, convs: Conversations, needed_slots: int) -> None:
+    slots = _next_pow2(needed_slots, self.min_cache_bucket)
+    extra = slots - convs.capacity
+    cache = convs.cache
+    pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+    convs.cache = self._place_cache(KVCache(
+        k=tuple(pad_kv(x) for x in cache.k), v=tuple(pad_kv(x) for x in cache.v),
+        kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
+        length=cache.length))
+
+  def select(self, convs: Conversations, rows: Sequence[int]) -> Conversations:
+    """Keeps the given rows, in that order, in a batch of the smallest bucket."""
+    rows = list(rows)
+    if not rows:
+      raise ValueError("select needs at least one row")
+    if any(not 0 <= r < convs.num_rows for r in rows):
+      raise IndexError(f"rows {rows} out of range for {convs.num_rows} dialogues")
+    batch = math.lcm(_next_pow2(len(rows)), self._data_parallel_size())
+    index = jnp.asarray(rows + [rows[0]] * (batch - len(rows)), jnp.int32)
+    cache = convs.cache
+    cache = KVCache(k=tuple(x[index] for x in cache.k), v=tuple(x[index] for x in cache.v),
+                    kv_positions_bs=cache.kv_positions_bs[index], length=cache.length)
+    # Filler rows duplicate a real row; they are marked done and never read.
+    return Conversations(cache=self._place_cache(cache), num_rows=len(rows))
+
+  def extend(self, convs: Conversations, new_tokens: Sequence[Sequence[int]],
+             params: SamplingParams) -> SampleOutput:
+    """Appends each row's new tokens to its dialogue, then samples a reply per row."""
+    if len(new_tokens) != convs.num_rows:
+      raise ValueError(f"got {len(new_tokens)} token lists for {convs.num_rows} dialogues")
+    for row, tokens in enumerate(new_tokens):
+      if not tokens:
+        raise ValueError(f"row {row}: no new tokens; every row needs at least one")
+    chunk = _next_pow2(max(len(t) for t in new_tokens), self.min_chunk_bucket)
+    needed = int(convs.cache.length) + chunk + params.max_new_tokens
+    if needed > convs.capacity:
+      self._grow(convs, needed)
+
+    batch = convs.batch_size
+    tokens_bt = np.full((batch, chunk), self.pad_id, np.int32)
+    mask_bt = np.zeros((batch, chunk), np.bool_)
+    for row, tokens in enumerate(new_tokens):
+      tokens_bt[row, chunk - len(tokens):] = tokens
+      mask_bt[row, chunk - len(tokens):] = True
+    done_b = np.arange(batch) >= convs.num_rows
+
+    logits_bv, convs.cache = self._prefill(
+        self.state, convs.cache, self._put(tokens_bt, ("batch", None)),
+        self._put(mask_bt, ("batch", None)))
+    greedy = params.temperature == 0
+    out_tokens, out_logprobs, lengths, stopped, convs.cache = self._decode(
+        self.state, convs.cache, logits_bv, self._put(done_b, ("batch",)),
+        jax.random.key(params.seed), jnp.float32(params.temperature or 1.0),
+        jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens, greedy=greedy,
+        top_k=params.top_k, use_top_p=params.top_p < 1.0)
+
+    out_tokens, out_logprobs, lengths, stopped = jax.device_get(
+        (out_tokens, out_logprobs, lengths, stopped))
+    rows = range(convs.num_rows)
+    return SampleOutput(
+        tokens=[out_tokens[r, :lengths[r]].tolist() for r in rows],
+        logprobs=[out_logprobs[r, :lengths[r]].tolist() for r in rows],
+        stop_reasons=[STOP if stopped[r] else LENGTH for r in rows])
+
+  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SampleOutput:
+    """Samples one continuation per prompt (a fresh batch of one-turn dialogues)."""
+    if not prompts:
+      return SampleOutput([], [], [])
+    longest = max(len(p) for p in prompts)
+    convs = self.start(len(prompts), _next_pow2(longest, self.min_chunk_bucket)
+                       + params.max_new_tokens)
+    return self.extend(convs, prompts, params)
+
+
+def _prefill(graphdef, state, cache, tokens_bt, mask_bt):
+  """Writes the new tokens into the cache; returns the last column's logits [B, V]."""
+  model = nnx.merge(graphdef, state)
+  hidden_btd, cache = model.backbone(tokens_bt, attention_mask=mask_bt, cache=cache)
+  return model.logits(hidden_btd[:, -1:])[:, 0], cache
+
+
+def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, key, temperature,
+            top_p, *, max_new_tokens, greedy, top_k, use_top_p):
+  """Samples until every row hit a stop token or `max_new_tokens` were drawn.
+
+  Each step samples from the current logits, then feeds the sampled token
+  through the model, so the cache ends holding every returned token.
+  """
+  model = nnx.merge(graphdef, state)
+  batch = logits_bv.shape[0]
+  stop_ids = jnp.asarray(stop_token_ids, jnp.int32)
+
+  def cond(carry):
+    step, _, _, _, _, done_b, _, _ = carry
+    return (step < max_new_tokens) & ~jnp.all(done_b)
+
+  def body(carry):
+    step, tokens_bn, logprobs_bn, lengths_b, stopped_b, done_b, logits_bv, cache = carry
+    token_b, logprob_b = sample_logits(logits_bv, jax.random.fold_in(key, step), temperature,
+                                       top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+    live_b = ~done_b
+    token_b = jnp.where(live_b, token_b, pad_id)
+    tokens_bn = jax.lax.dynamic_update_slice(tokens_bn, token_b[:, None], (0, step))
+    logprobs_bn = jax.lax.dynamic_update_slice(
+        logprobs_bn, jnp.where(live_b, logprob_b, 0.0)[:, None], (0, step))
+    lengths_b = lengths_b + live_b
+    hit_stop_b = live_b & jnp.any(token_b[:, None] == stop_ids[None, :], axis=-1)
+    stopped_b = stopped_b | hit_stop_b
+    hidden_btd, cache = model.backbone(token_b[:, None], attention_mask=live_b[:, None],
+                                       cache=cache)
+    logits_bv = model.logits(hidden_btd)[:, 0]
+    return (step + 1, tokens_bn, logprobs_bn, lengths_b, stopped_b, done_b | hit_stop_b,
+            logits_bv, cache)
+
+  carry = (jnp.int32(0), jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
+           jnp.zeros((batch, max_new_tokens), jnp.float32), jnp.zeros((batch,), jnp.int32),
+           jnp.zeros((batch,), jnp.bool_), done_b, logits_bv, cache)
+  _, tokens_bn, logprobs_bn, lengths_b, stopped_b, _, _, cache = jax.lax.while_loop(
+      cond, body, carry)
+  return tokens_bn, logprobs_bn, lengths_b, stopped_b, cache

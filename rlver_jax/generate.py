@@ -1,0 +1,218 @@
+"""Batch generation and interactive chat with a Qwen2 checkpoint.
+
+  python -m rlver_jax.generate --checkpoint DIR --prompts IN.jsonl --output OUT.jsonl \\
+      [--max-new-tokens N] [--temperature T] [--top-p P] [--top-k K] [--seed S] [--batch-size B]
+  python -m rlver_jax.generate --checkpoint DIR --chat
+
+Each input line is {"messages": [...]} (rendered with the checkpoint's chat
+template), {"prompt": "..."} or {"input_ids": [...]}. Each output line, in
+input order, has output_ids, logprobs, text and stop_reason. Temperature 0
+is greedy decoding.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+
+import jax
+from absl import logging
+from tqdm import tqdm
+
+from models import qwen2
+from models.chat import ChatFormatter
+from models.sampler import Sampler, SamplingParams
+from rlver_jax import sharding
+
+
+class InputError(ValueError):
+  pass
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+  p = argparse.ArgumentParser(prog="python -m rlver_jax.generate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p.add_argument("--checkpoint", required=True, help="HF Qwen2 checkpoint directory")
+  p.add_argument("--prompts", help="input JSONL")
+  p.add_argument("--output", help="output JSONL")
+  p.add_argument("--chat", action="store_true", help="talk to the checkpoint in the terminal")
+  p.add_argument("--max-new-tokens", "--max_new_tokens", type=int, default=256)
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--top-p", "--top_p", type=float, default=1.0)
+  p.add_argument("--top-k", "--top_k", type=int, default=0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--batch-size", "--batch_size", type=int, default=8)
+  p.add_argument("--dtype", default="float32", help="compute dtype (bfloat16 on accelerators)")
+  p.add_argument("--mesh", default="", help="mesh axes, e.g. data=1,fsdp=-1,tensor=2")
+  p.add_argument("--stop", default="<|im_end|>,<|endoftext|>",
+                 help="comma-separated stop tokens")
+  p.add_argument("--system", default=None, help="system prompt for --chat")
+  args = p.parse_args(argv)
+  if not args.chat and not (args.prompts and args.output):
+    p.error("give --prompts and --output, or --chat")
+  return args
+
+
+def parse_mesh(spec: str) -> dict[str, int] | None:
+  if not spec:
+    return None
+  axes = {}
+  for part in spec.split(","):
+    name, _, size = part.partition("=")
+    if not name or not size.lstrip("-").isdigit():
+      raise ValueError(f"--mesh: cannot read {part!r}; expected name=size, e.g. fsdp=-1")
+    axes[name.strip()] = int(size)
+  return axes
+
+
+def read_requests(path: str, formatter: ChatFormatter, vocab_size: int) -> list[list[int]]:
+  """Token ids per input line; every bad line is reported with its number."""
+  requests, errors = [], []
+  with open(path) as f:
+    for line_no, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        requests.append(_request_ids(line, formatter, vocab_size))
+      except InputError as e:
+        errors.append(f"{path}:{line_no}: {e}")
+  if errors:
+    shown = "\n".join(errors[:20]) + (f"\n... {len(errors) - 20} more" if len(errors) > 20 else "")
+    raise InputError(f"{len(errors)} bad input line(s):\n{shown}")
+  if not requests:
+    raise InputError(f"{path}: no requests")
+  return requests
+
+
+def _request_ids(line: str, formatter: ChatFormatter, vocab_size: int) -> list[int]:
+  try:
+    obj = json.loads(line)
+  except json.JSONDecodeError as e:
+    raise InputError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+  if not isinstance(obj, dict):
+    raise InputError("expected a JSON object")
+  keys = [k for k in ("messages", "prompt", "input_ids") if k in obj]
+  if len(keys) != 1:
+    raise InputError(f"expected exactly one of 'messages', 'prompt', 'input_ids'; got {keys}")
+  if "messages" in obj:
+    messages = obj["messages"]
+    if not isinstance(messages, list) or not messages:
+      raise InputError("'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+      if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+              and isinstance(m.get("content"), str)):
+        raise InputError(f"messages[{i}] needs string 'role' and 'content'")
+    ids = formatter.prompt_ids(messages)
+  elif "prompt" in obj:
+    if not isinstance(obj["prompt"], str) or not obj["prompt"]:
+      raise InputError("'prompt' must be a non-empty string")
+    ids = formatter.encode(obj["prompt"])
+  else:
+    ids = obj["input_ids"]
+    if (not isinstance(ids, list) or not ids
+        or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids)):
+      raise InputError("'input_ids' must be a non-empty list of integers")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+      raise InputError(f"'input_ids' has ids outside [0, {vocab_size}): {bad[:5]}")
+  if not ids:
+    raise InputError("the request renders to no tokens")
+  return ids
+
+
+def stop_ids(tokenizer, config, names: str) -> list[int]:
+  ids = set()
+  for name in filter(None, (n.strip() for n in names.split(","))):
+    token_id = tokenizer.convert_tokens_to_ids(name)
+    if token_id is not None and token_id != tokenizer.unk_token_id:
+      ids.add(int(token_id))
+  eos = config.eos_token_id
+  ids.update([eos] if isinstance(eos, int) else (eos or []))
+  if not ids:
+    raise ValueError(f"none of the stop tokens {names!r} is in the tokenizer")
+  return sorted(ids)
+
+
+def load(args):
+  from transformers import AutoTokenizer
+  axes = parse_mesh(args.mesh)
+  mesh = sharding.make_mesh(axes) if axes else None
+  model = qwen2.from_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh)
+  tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
+  formatter = ChatFormatter(tokenizer)
+  sampler = Sampler(model, stop_token_ids=stop_ids(tokenizer, model.config, args.stop),
+                    pad_id=tokenizer.pad_token_id or 0, mesh=mesh)
+  return model, tokenizer, formatter, sampler
+
+
+def decode_reply(tokenizer, tokens: list[int], stop_reason: str) -> str:
+  body = tokens[:-1] if stop_reason == "stop" else tokens
+  return tokenizer.decode(body, skip_special_tokens=False)
+
+
+def run_batch(args) -> None:
+  model, tokenizer, formatter, sampler = load(args)
+  requests = read_requests(args.prompts, formatter, model.config.vocab_size)
+  params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                          top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+  start, new_tokens = time.perf_counter(), 0
+  with open(args.output, "w") as out, tqdm(total=len(requests), unit="prompt") as bar:
+    for first in range(0, len(requests), args.batch_size):
+      batch = requests[first:first + args.batch_size]
+      result = sampler.generate(batch, dataclasses.replace(params, seed=args.seed + first))
+      for tokens, logprobs, reason in zip(result.tokens, result.logprobs, result.stop_reasons):
+        out.write(json.dumps({"output_ids": tokens, "logprobs": logprobs,
+                              "text": decode_reply(tokenizer, tokens, reason),
+                              "stop_reason": reason}) + "\n")
+      new_tokens += sum(result.lengths)
+      bar.update(len(batch))
+      bar.set_postfix(tok_per_s=f"{new_tokens / (time.perf_counter() - start):.1f}")
+  logging.info("%d prompts, %d new tokens in %.1fs -> %s", len(requests), new_tokens,
+               time.perf_counter() - start, args.output)
+
+
+def run_chat(args, stdin=sys.stdin, stdout=sys.stdout) -> None:
+  """A terminal conversation; the dialogue's cache is reused from turn to turn."""
+  _, tokenizer, formatter, sampler = load(args)
+  messages = [{"role": "system", "content": args.system}] if args.system else []
+  convs, reply_ended, turn = None, True, 0
+  stdout.write("Chat with the checkpoint; an empty line or EOF ends it.\n")
+  while True:
+    stdout.write("you> ")
+    stdout.flush()
+    line = stdin.readline()
+    if not line.strip():
+      break
+    user = {"role": "user", "content": line.rstrip("\n")}
+    if convs is None:
+      ids = formatter.prompt_ids(messages + [user])
+      convs = sampler.start(1)
+    else:
+      ids = formatter.continuation_ids(messages, reply_ended, [user])
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed + turn)
+    result = sampler.extend(convs, [ids], params)
+    tokens, reason = result.tokens[0], result.stop_reasons[0]
+    reply = decode_reply(tokenizer, tokens, reason)
+    messages += [user, {"role": "assistant", "content": reply}]
+    reply_ended, turn = reason == "stop", turn + 1
+    stdout.write(f"model> {reply}\n")
+
+
+def main(argv=None) -> int:
+  args = parse_args(argv)
+  logging.set_verbosity(logging.INFO)
+  logging.info("JAX devices: %s", jax.devices())
+  try:
+    run_chat(args) if args.chat else run_batch(args)
+  except (InputError, FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

@@ -1,0 +1,120 @@
+"""The generation CLI, chat formatting and the tiny checkpoint we ship."""
+
+import io
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from models import qwen2
+from models.chat import ChatFormatter
+from models.sampler import Sampler, SamplingParams
+from rlver_jax import generate, tiny
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+  path = tmp_path_factory.mktemp("tiny")
+  tiny.write_checkpoint(str(path), seed=1)
+  return path
+
+
+def test_tiny_checkpoint_is_a_complete_hf_directory(tiny_checkpoint):
+  tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+  model = qwen2.from_pretrained(tiny_checkpoint)
+  assert model.config.vocab_size >= len(tokenizer)
+  assert model.config.eos_token_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
+  text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                       add_generation_prompt=True)
+  assert text == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_continuation_ids_equal_the_full_render(tiny_checkpoint):
+  formatter = ChatFormatter(AutoTokenizer.from_pretrained(tiny_checkpoint))
+  first = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "I am tired."}]
+  reply = {"role": "assistant", "content": "I hear you."}
+  second = [{"role": "user", "content": "Thanks."}]
+  fed = formatter.prompt_ids(first) + formatter.encode("I hear you.<|im_end|>")
+  fed += formatter.continuation_ids(first + [reply], True, second)
+  assert fed == formatter.prompt_ids(first + [reply] + second)
+  # A reply cut at the length limit gets its end-of-turn token fed first.
+  cut = formatter.prompt_ids(first) + formatter.encode("I hear you.")
+  cut += formatter.continuation_ids(first + [reply], False, second)
+  assert cut == fed
+
+
+def write_jsonl(path, lines):
+  path.write_text("".join(line + "\n" for line in lines))
+  return str(path)
+
+
+def test_cli_writes_one_line_per_prompt_in_order(tiny_checkpoint, tmp_path):
+  prompts = write_jsonl(tmp_path / "in.jsonl", [
+      json.dumps({"messages": [{"role": "user", "content": "I failed the exam."}]}),
+      json.dumps({"prompt": "Tell me more"}),
+      "",
+      json.dumps({"input_ids": [5, 6, 7]}),
+  ])
+  out = tmp_path / "out.jsonl"
+  rc = generate.main(["--checkpoint", str(tiny_checkpoint), "--prompts", prompts,
+                      "--output", str(out), "--max-new-tokens", "6", "--temperature", "0",
+                      "--batch-size", "2"])
+  assert rc == 0
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert len(rows) == 3
+  for row in rows:
+    assert set(row) == {"output_ids", "logprobs", "text", "stop_reason"}
+    assert len(row["output_ids"]) == len(row["logprobs"]) <= 6
+    assert row["stop_reason"] in ("stop", "length")
+  # Greedy output of line 4 is what the sampler gives for those ids alone.
+  model = qwen2.from_pretrained(tiny_checkpoint)
+  tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
+  alone = Sampler(model, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                                         tokenizer.convert_tokens_to_ids("<|endoftext|>")])
+  expected = alone.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, temperature=0))
+  assert rows[2]["output_ids"] == expected.tokens[0]
+
+
+def test_cli_names_every_bad_line(tiny_checkpoint, tmp_path, capsys):
+  prompts = write_jsonl(tmp_path / "bad.jsonl", [
+      json.dumps({"prompt": "fine"}),
+      "{not json",
+      json.dumps({"messages": [{"role": "user"}]}),
+      json.dumps({"input_ids": [1, 10**6]}),
+      json.dumps({"prompt": "a", "input_ids": [1]}),
+  ])
+  rc = generate.main(["--checkpoint", str(tiny_checkpoint), "--prompts", prompts,
+                      "--output", str(tmp_path / "out.jsonl")])
+  assert rc == 2
+  err = capsys.readouterr().err
+  assert "4 bad input line(s)" in err
+  assert f"{prompts}:2: invalid JSON" in err
+  assert f"{prompts}:3: messages[0] needs string 'role' and 'content'" in err
+  assert f"{prompts}:4: 'input_ids' has ids outside" in err
+  assert f"{prompts}:5: expected exactly one of" in err
+  assert not (tmp_path / "out.jsonl").exists()
+
+
+def test_chat_mode_reuses_the_dialogue_cache(tiny_checkpoint, monkeypatch):
+  args = generate.parse_args(["--checkpoint", str(tiny_checkpoint), "--chat",
+                              "--max-new-tokens", "5"])
+  extends = []
+  original = Sampler.extend
+
+  def spy(self, convs, new_tokens, params):
+    extends.append((id(convs), len(new_tokens[0])))
+    return original(self, convs, new_tokens, params)
+
+  monkeypatch.setattr(Sampler, "extend", spy)
+  stdout = io.StringIO()
+  generate.run_chat(args, stdin=io.StringIO("hello\nI feel sad\n\n"), stdout=stdout)
+  assert stdout.getvalue().count("model> ") == 2
+  assert len(extends) == 2 and extends[0][0] == extends[1][0]  # one conversation, two turns
+  assert extends[1][1] < 20  # the second turn feeds only the new message
+
+
+def test_mesh_flag_parsing():
+  assert generate.parse_mesh("data=2,fsdp=-1") == {"data": 2, "fsdp": -1}
+  assert generate.parse_mesh("") is None
+  with pytest.raises(ValueError, match="--mesh"):
+    generate.parse_mesh("data")
