@@ -5,8 +5,8 @@ setup(
     version="0.1.0",
     description="RLVER (RL with verifiable emotion rewards) in JAX/Flax for TPU and GPU meshes",
     python_requires=">=3.10",
-    packages=find_packages(include=["rlver_jax*", "models*", "rl*", "sim_user*"]),
-    package_data={"sim_user": ["prompts/*", "data/*"],
+    packages=find_packages(include=["rlver_jax*", "models*", "rl*", "sim_user*", "configs*"]),
+    package_data={"sim_user": ["prompts/*", "data/*"], "configs": ["*.jsonl"],
                   "rlver_jax": ["assets/*", "assets/tiny_tokenizer/*"]},
     install_requires=[
         "jax>=0.6",

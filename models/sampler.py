@@ -156,7 +156,8 @@ class Sampler:
 
   # Placement.
 
-  def _data_parallel_size(self) -> int:
+  def data_parallel_size(self) -> int:
+    """How many ways the batch axis is split (batches are padded to a multiple)."""
     if self.mesh is None:
       return 1
     axes = partitioning.mesh_axes("batch", self.mesh, self.rules)
@@ -188,7 +189,7 @@ class Sampler:
   def start(self, num_rows: int, capacity: int = 0) -> Conversations:
     """An empty batch of `num_rows` dialogues (capacity grows on demand)."""
     batch = _next_pow2(num_rows)
-    batch = math.lcm(batch, self._data_parallel_size())
+    batch = math.lcm(batch, self.data_parallel_size())
     slots = _next_pow2(capacity, self.min_cache_bucket)
     cache = KVCache.init(self.config, batch, slots, self.cache_dtype)
     return Conversations(cache=self._place_cache(cache), num_rows=num_rows)
@@ -210,7 +211,7 @@ class Sampler:
       raise ValueError("select needs at least one row")
     if any(not 0 <= r < convs.num_rows for r in rows):
       raise IndexError(f"rows {rows} out of range for {convs.num_rows} dialogues")
-    batch = math.lcm(_next_pow2(len(rows)), self._data_parallel_size())
+    batch = math.lcm(_next_pow2(len(rows)), self.data_parallel_size())
     index = jnp.asarray(rows + [rows[0]] * (batch - len(rows)), jnp.int32)
     cache = convs.cache
     cache = KVCache(k=tuple(x[index] for x in cache.k), v=tuple(x[index] for x in cache.v),

@@ -1,1 +1,7 @@
 """Multi-turn rollouts, advantages, losses and train steps."""
+
+from rl.advantages import gae_advantages, grpo_advantages, masked_whiten
+from rl.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, value_loss
+
+__all__ = ["gae_advantages", "grpo_advantages", "masked_whiten", "aggregate",
+           "entropy_from_logits", "kl_penalty", "policy_loss", "value_loss"]

@@ -1,0 +1,1 @@
+"""ml-collections configs: one file per recipe (`--config=configs/NAME.py[:variant]`)."""

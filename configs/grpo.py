@@ -1,0 +1,17 @@
+"""RLVER GRPO recipe for Qwen2.5-7B-Instruct: n = 4 samples per profile, no critic.
+
+  python -m rlver_jax.main --config=configs/grpo.py --config.policy.checkpoint=... \
+      --config.data.train_profiles=... --config.sim_user.base_url=... --config.workdir=...
+
+`--config=configs/grpo.py:think` for the thinking variant.
+"""
+
+from configs import ppo
+
+
+def get_config(arg: str = ""):
+  c = ppo.base_config(arg)
+  c.rl.algorithm = "grpo"
+  c.rollout.samples_per_profile = 4  # a group shares persona and opening line
+  c.batch_size = 32  # dialogues: 8 profiles x 4 samples
+  return c

@@ -1,0 +1,114 @@
+"""RLVER PPO recipe for Qwen2.5-7B-Instruct (the paper's setting).
+
+  python -m rlver_jax.main --config=configs/ppo.py \
+      --config.policy.checkpoint=/ckpt/Qwen2.5-7B-Instruct \
+      --config.data.train_profiles=/data/rlver/train_profile.jsonl \
+      --config.sim_user.base_url=http://localhost:8000/v1 --config.sim_user.model=deepseek-v3 \
+      --config.workdir=/runs/ppo
+
+`--config=configs/ppo.py:think` trains the thinking variant (reason in
+<think>...</think>, then reply; each agent turn is its own sample).
+"""
+
+import ml_collections
+
+THINK_SYSTEM_PROMPT = (
+    "You are an emotionally intelligent companion. Before each reply, think about what the "
+    "user really needs inside <think>...</think>, then write your reply after the closing tag.")
+
+
+def base_config(arg: str = "") -> ml_collections.ConfigDict:
+  if arg not in ("", "think"):
+    raise ValueError(f"unknown config variant {arg!r}; use '' or 'think'")
+  thinking = arg == "think"
+  c = ml_collections.ConfigDict()
+  c.workdir = ""
+  c.seed = 0
+  c.steps = 1000
+  c.batch_size = 32  # dialogues per step (profiles x samples_per_profile)
+  c.log_every = 1
+
+  c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+
+  c.policy = ml_collections.ConfigDict()
+  c.policy.checkpoint = ""  # an HF Qwen2 directory
+  c.policy.tiny_init = False  # demo only: write and use a tiny random checkpoint
+  c.policy.dtype = "bfloat16"  # compute dtype
+  c.policy.param_dtype = "float32"
+  c.policy.remat = True
+
+  c.critic = ml_collections.ConfigDict()
+  c.critic.checkpoint = ""  # default: the policy's checkpoint
+
+  c.data = ml_collections.ConfigDict()
+  c.data.train_profiles = ""  # RLVER's train_profile.jsonl
+
+  c.sim_user = ml_collections.ConfigDict()
+  c.sim_user.backend = "openai"  # openai | flax | scripted
+  c.sim_user.base_url = ""
+  c.sim_user.model = "deepseek-v3"
+  c.sim_user.api_key_env = "OPENAI_API_KEY"
+  c.sim_user.max_concurrency = 32
+  c.sim_user.timeout_s = 120.0
+  c.sim_user.http_retries = 4
+  c.sim_user.temperature = 0.7
+  c.sim_user.max_tokens = 1024
+  c.sim_user.checkpoint = ""  # flax backend: the simulator's HF checkpoint
+  c.sim_user.rules = "rlver_train"
+  c.sim_user.variant = "vanilla"  # vanilla | challenging
+  c.sim_user.language = "zh"  # the released profiles are Chinese
+  c.sim_user.templates = ""  # a directory of your own templates; empty: ours
+  c.sim_user.parse_retries = 2
+  c.sim_user.on_failure = "end_failed"  # or "drop"
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.samples_per_profile = 1
+  c.rollout.system_prompt = THINK_SYSTEM_PROMPT if thinking else ""
+  c.rollout.thinking = thinking
+  c.rollout.format_penalty_reward = 0.0
+  c.rollout.max_new_tokens = 5000
+  c.rollout.max_dialogue_tokens = 10000
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0
+
+  c.rl = ml_collections.ConfigDict()
+  c.rl.algorithm = "ppo"
+  c.rl.gamma = 1.0
+  c.rl.lam = 1.0
+  c.rl.whiten_advantages = True
+  c.rl.grpo_normalize_std = True
+  c.rl.clip_ratio = 0.2
+  c.rl.clip_ratio_high = ml_collections.FieldReference(None, field_type=float)
+  c.rl.dual_clip = ml_collections.FieldReference(None, field_type=float)
+  c.rl.value_clip = 0.5
+  c.rl.entropy_coef = 0.001
+  c.rl.kl_coef = 0.0  # the released recipe: no KL, no reference pass
+  c.rl.kl_estimator = "k3"
+  c.rl.kl_in_reward = False
+  c.rl.loss_agg = "token-mean"
+  c.rl.reward = "final"  # or "turn" (emotion deltas per turn, an ablation)
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.actor_lr = 1e-6
+  c.optim.critic_lr = 5e-6
+  c.optim.warmup_steps = 50
+  c.optim.schedule = "constant"
+  c.optim.weight_decay = 0.01
+  c.optim.grad_clip = 1.0
+  c.optim.ppo_epochs = 1
+  c.optim.num_minibatches = 1
+  c.optim.grad_accum = 1
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every = 20
+  c.checkpoint.keep = 3
+  c.checkpoint.export_at_end = True
+
+  c.max_skipped_updates = 10  # non-finite steps tolerated before the run stops
+  c.crash_at_step = -1  # tests: kill the process in the middle of this step
+  return c
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+  return base_config(arg)

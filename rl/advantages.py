@@ -1,0 +1,73 @@
+"""Advantage estimators (pure, jittable)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def gae_advantages(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
+  """Generalised advantage estimation over [B, T] token arrays.
+
+  As in verl's multi-turn GAE, the recursion runs over the masked (agent)
+  tokens only: at a position with mask 0 (a user turn, a role header) the
+  next value and the running advantage are carried through unchanged, so
+  the last agent token of one turn bootstraps from the first agent token of
+  the next. Returns (advantages, returns), both zero where mask is 0; not
+  whitened (see `masked_whiten`).
+  """
+  rewards = jnp.asarray(rewards, jnp.float32)
+  values = jnp.asarray(values, jnp.float32)
+  mask = jnp.asarray(mask, jnp.float32)
+
+  def step(carry, xs):
+    next_value_b, last_gae_b = carry
+    reward_b, value_b, mask_b = xs
+    delta_b = reward_b + gamma * next_value_b - value_b
+    gae_b = delta_b + gamma * lam * last_gae_b
+    next_value_b = value_b * mask_b + (1 - mask_b) * next_value_b
+    last_gae_b = gae_b * mask_b + (1 - mask_b) * last_gae_b
+    return (next_value_b, last_gae_b), last_gae_b
+
+  zeros_b = jnp.zeros(rewards.shape[0], jnp.float32)
+  xs = (rewards.T[::-1], values.T[::-1], mask.T[::-1])
+  _, advantages_tb = jax.lax.scan(step, (zeros_b, zeros_b), xs)
+  advantages = advantages_tb[::-1].T * mask
+  returns = (advantages + values) * mask
+  return advantages, returns
+
+
+def masked_mean(x, mask, axis=None):
+  mask = jnp.asarray(mask, jnp.float32)
+  return jnp.sum(x * mask, axis=axis) / jnp.maximum(jnp.sum(mask, axis=axis), 1.0)
+
+
+def masked_whiten(x, mask, eps: float = 1e-8):
+  """(x - mean) / std over the masked entries (unbiased variance, as verl); 0 elsewhere."""
+  mask = jnp.asarray(mask, jnp.float32)
+  mean = masked_mean(x, mask)
+  count = jnp.sum(mask)
+  variance = jnp.sum(((x - mean) ** 2) * mask) / jnp.maximum(count - 1.0, 1.0)
+  return (x - mean) * jax.lax.rsqrt(variance + eps) * mask
+
+
+def grpo_advantages(scores, group_ids, normalize_std: bool = True, eps: float = 1e-6):
+  """Group-normalised advantages: (score - group mean) / (group std + eps).
+
+  `group_ids` may be any integers; samples with equal ids form a group. The
+  std is unbiased (ddof 1). A group of one gets mean 0 and std 1, as in verl,
+  so its advantage is its score.
+  """
+  scores = jnp.asarray(scores, jnp.float32)
+  group_ids = jnp.asarray(group_ids)
+  same_nn = (group_ids[:, None] == group_ids[None, :]).astype(jnp.float32)
+  count_n = jnp.sum(same_nn, axis=1)
+  mean_n = same_nn @ scores / count_n
+  squared_nn = (scores[None, :] - mean_n[:, None]) ** 2 * same_nn
+  std_n = jnp.sqrt(jnp.sum(squared_nn, axis=1) / jnp.maximum(count_n - 1.0, 1.0))
+  single = count_n == 1
+  mean_n = jnp.where(single, 0.0, mean_n)
+  std_n = jnp.where(single, 1.0, std_n)
+  centred = scores - mean_n
+  return centred / (std_n + eps) if normalize_std else centred
+

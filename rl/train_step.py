@@ -1,0 +1,257 @@
+"""Batches, advantages and jitted PPO / GRPO updates for the policy and the critic.
+
+Models are split into a graphdef and a parameter state; the jitted steps are
+pure functions of (params, optimizer state, batch) with the old state
+donated. Token arrays of a batch live on the "target" grid: entry t belongs
+to token t + 1 of `input_ids` (the token predicted from position t).
+
+A step whose loss or gradient is not finite leaves the parameters and the
+optimizer state untouched and reports `finite = 0`; the trainer counts
+those and stops past a limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from models import partitioning
+from rl import advantages as adv_lib
+from rl import losses
+from rl.rollout import Sample
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  advantage: str = "gae"  # "gae" (PPO) or "grpo"
+  gamma: float = 1.0
+  lam: float = 1.0
+  whiten_advantages: bool = True
+  grpo_normalize_std: bool = True
+  clip_ratio: float = 0.2
+  clip_ratio_high: float | None = None
+  dual_clip: float | None = None
+  value_clip: float | None = 0.5
+  entropy_coef: float = 0.001
+  kl_coef: float = 0.0  # 0 skips the reference model entirely
+  kl_estimator: str = "k3"
+  kl_in_reward: bool = False  # True: per-token reward penalty; False: loss term
+  loss_agg: str = losses.TOKEN_MEAN
+  temperature: float = 1.0  # logprobs of softmax(logits / T), as the sampler draws
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimConfig:
+  lr: float = 1e-6
+  warmup_steps: int = 0
+  schedule: str = "constant"  # or "cosine"
+  total_steps: int = 1
+  weight_decay: float = 0.01
+  b1: float = 0.9
+  b2: float = 0.999
+  grad_clip: float = 1.0
+  grad_accum: int = 1
+
+
+def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+  if cfg.schedule == "cosine":
+    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1),
+                                                  max(cfg.total_steps, cfg.warmup_steps + 1))
+  elif cfg.schedule == "constant":
+    schedule = optax.join_schedules(
+        [optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1)),
+         optax.constant_schedule(cfg.lr)], [cfg.warmup_steps]) if cfg.warmup_steps else cfg.lr
+  else:
+    raise ValueError(f"unknown lr schedule {cfg.schedule!r}; expected constant or cosine")
+  tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
+                   optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay))
+  return optax.MultiSteps(tx, every_k_schedule=cfg.grad_accum) if cfg.grad_accum > 1 else tx
+
+
+# Batches.
+
+def _bucket(n: int, minimum: int = 32) -> int:
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def collate(samples: Sequence[Sample], batch_multiple: int = 1, pad_id: int = 0) -> dict:
+  """Right-padded numpy arrays; length bucketed to a power of two, rows to `batch_multiple`.
+
+  Filler rows have an all-zero mask, so they add nothing to any loss.
+  """
+  rows = -(-len(samples) // batch_multiple) * batch_multiple
+  width = _bucket(max(len(s.tokens) for s in samples))
+  input_ids = np.full((rows, width), pad_id, np.int32)
+  attention = np.zeros((rows, width), np.bool_)
+  loss_mask = np.zeros((rows, width - 1), np.float32)
+  old_logprobs = np.zeros((rows, width - 1), np.float32)
+  token_rewards = np.zeros((rows, width - 1), np.float32)
+  scores = np.zeros((rows,), np.float32)
+  groups = np.arange(rows, dtype=np.int32) + 10**6  # fillers: their own groups
+  for r, s in enumerate(samples):
+    n = len(s.tokens)
+    input_ids[r, :n] = s.tokens
+    attention[r, :n] = True
+    loss_mask[r, :n - 1] = s.loss_mask[1:]
+    old_logprobs[r, :n - 1] = s.logprobs[1:]
+    for index, reward in s.token_rewards:
+      token_rewards[r, index - 1] += reward
+    scores[r] = s.reward
+    groups[r] = s.group
+  return {"input_ids": input_ids, "attention_mask": attention, "loss_mask": loss_mask,
+          "old_logprobs": old_logprobs, "token_rewards": token_rewards, "scores": scores,
+          "groups": groups}
+
+
+def compute_advantages(batch: dict, cfg: LossConfig) -> dict:
+  """Adds token rewards, advantages and returns (host numpy in, numpy out)."""
+  mask = jnp.asarray(batch["loss_mask"])
+  scores = jnp.asarray(batch["scores"])
+  out = dict(batch)
+  if cfg.advantage == "grpo":
+    seq_adv = adv_lib.grpo_advantages(scores, batch["groups"],
+                                      normalize_std=cfg.grpo_normalize_std)
+    advantages = seq_adv[:, None] * mask
+    returns = jnp.zeros_like(advantages)
+  elif cfg.advantage == "gae":
+    rewards = jnp.asarray(batch["token_rewards"])
+    if cfg.kl_coef and cfg.kl_in_reward:
+      kl = losses.kl_penalty(jnp.asarray(batch["old_logprobs"]), jnp.asarray(batch["ref_logprobs"]),
+                             cfg.kl_estimator)
+      rewards = rewards - cfg.kl_coef * kl * mask
+    advantages, returns = adv_lib.gae_advantages(rewards, jnp.asarray(batch["old_values"]), mask,
+                                                 cfg.gamma, cfg.lam)
+    out["token_rewards"] = np.asarray(rewards)  # with any KL penalty
+  else:
+    raise ValueError(f"unknown advantage estimator {cfg.advantage!r}; expected gae or grpo")
+  if cfg.whiten_advantages:
+    advantages = adv_lib.masked_whiten(advantages, mask)
+  out["advantages"] = np.asarray(advantages)
+  out["returns"] = np.asarray(returns)
+  return out
+
+
+# Forward passes.
+
+def policy_logits(graphdef, params, batch):
+  model = nnx.merge(graphdef, params)
+  return model(batch["input_ids"], attention_mask=batch["attention_mask"])[:, :-1]
+
+
+def critic_values(graphdef, params, batch):
+  model = nnx.merge(graphdef, params)
+  return model(batch["input_ids"], attention_mask=batch["attention_mask"])[:, :-1]
+
+
+def sequence_logprobs(graphdef, params, batch, temperature: float):
+  logits = policy_logits(graphdef, params, batch)
+  return losses.token_logprobs(logits, batch["input_ids"][:, 1:], temperature)
+
+
+# Updates.
+
+def _apply_if_finite(loss, grads, params, opt_state, tx):
+  grad_norm = optax.global_norm(grads)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  updates, new_opt_state = tx.update(grads, opt_state, params)
+  new_params = optax.apply_updates(params, updates)
+  keep = lambda new, old: jnp.where(finite, new, old)
+  return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_opt_state, opt_state),
+          grad_norm, finite)
+
+
+def policy_update(graphdef, tx, cfg: LossConfig, params, opt_state, batch):
+  mask = batch["loss_mask"]
+
+  def loss_fn(params):
+    logits = policy_logits(graphdef, params, batch).astype(jnp.float32) / cfg.temperature
+    logprobs = losses.token_logprobs(logits, batch["input_ids"][:, 1:])
+    pg_loss, metrics = losses.policy_loss(
+        logprobs, batch["old_logprobs"], batch["advantages"], mask, clip_ratio=cfg.clip_ratio,
+        clip_ratio_high=cfg.clip_ratio_high, dual_clip=cfg.dual_clip, agg=cfg.loss_agg)
+    entropy = losses.aggregate(losses.entropy_from_logits(logits), mask, cfg.loss_agg)
+    loss = pg_loss - cfg.entropy_coef * entropy
+    kl = jnp.zeros(())
+    if cfg.kl_coef:
+      kl = losses.aggregate(losses.kl_penalty(logprobs, batch["ref_logprobs"], cfg.kl_estimator),
+                            mask, cfg.loss_agg)
+      if not cfg.kl_in_reward:
+        loss = loss + cfg.kl_coef * kl
+    metrics.update(pg_loss=pg_loss, entropy=entropy, kl=kl, policy_loss=loss)
+    return loss, metrics
+
+  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  params, opt_state, grad_norm, finite = _apply_if_finite(loss, grads, params, opt_state, tx)
+  metrics.update(grad_norm=grad_norm, finite=finite.astype(jnp.float32))
+  return params, opt_state, metrics
+
+
+def critic_update(graphdef, tx, cfg: LossConfig, params, opt_state, batch):
+
+  def loss_fn(params):
+    values = critic_values(graphdef, params, batch)
+    loss, metrics = losses.value_loss(values, batch["old_values"], batch["returns"],
+                                      batch["loss_mask"], clip=cfg.value_clip, agg=cfg.loss_agg)
+    metrics["value_loss"] = loss
+    return loss, metrics
+
+  (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+  params, opt_state, grad_norm, finite = _apply_if_finite(loss, grads, params, opt_state, tx)
+  metrics.update(critic_grad_norm=grad_norm, critic_finite=finite.astype(jnp.float32))
+  return params, opt_state, metrics
+
+
+class Learner:
+  """Holds one model's graphdef, params and optimizer state, and its jitted update.
+
+  With a mesh, params and optimizer state are placed by their logical axes
+  and every batch array is sharded over the batch axes.
+  """
+
+  def __init__(self, model: nnx.Module, tx: optax.GradientTransformation | None = None,
+               update_fn=None, cfg: LossConfig | None = None, mesh=None, rules=None):
+    """Without `tx` the model is frozen (a reference policy): `apply` only."""
+    self.graphdef, params = nnx.split(model)
+    self.tx = tx
+    self.mesh = mesh
+    self.rules = rules
+    if mesh is not None:
+      self.param_shardings = partitioning.state_shardings(params, mesh, rules)
+      params = jax.device_put(params, self.param_shardings)
+    self.params = params
+    self.opt_state = None if tx is None else jax.jit(tx.init)(params)
+    self._update = None if tx is None else jax.jit(
+        functools.partial(update_fn, self.graphdef, tx, cfg), donate_argnums=(0, 1))
+    self._forward = {}
+
+  def shard_batch(self, batch: dict) -> dict:
+    if self.mesh is None:
+      return {k: jnp.asarray(v) for k, v in batch.items()}
+    placed = {}
+    for k, v in batch.items():
+      logical = ("batch",) + (None,) * (np.ndim(v) - 1)
+      placed[k] = jax.device_put(v, partitioning.named_sharding(logical, np.shape(v), self.mesh,
+                                                                self.rules))
+    return placed
+
+  def update(self, batch: dict) -> dict:
+    self.params, self.opt_state, metrics = self._update(self.params, self.opt_state,
+                                                        self.shard_batch(batch))
+    return metrics
+
+  def apply(self, fn, batch: dict, **static):
+    """Jitted `fn(graphdef, params, batch, **static)` without gradients."""
+    key = (fn, tuple(sorted(static.items())))
+    if key not in self._forward:
+      self._forward[key] = jax.jit(functools.partial(fn, self.graphdef, **static))
+    return self._forward[key](self.params, self.shard_batch(batch))
+
+  def model(self) -> nnx.Module:
+    return nnx.merge(self.graphdef, self.params)

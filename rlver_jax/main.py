@@ -1,0 +1,31 @@
+"""Train a policy against the simulated user.
+
+  python -m rlver_jax.main                                   # configs/demo.py, CPU, minutes
+  python -m rlver_jax.main --config=configs/ppo.py --config.workdir=W \
+      --config.policy.checkpoint=DIR --config.rl.kl_coef=0.01   # any field can be overridden
+"""
+
+import os
+
+from absl import app, flags, logging
+from ml_collections import config_flags
+
+from rlver_jax import trainer
+
+_DEMO = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                     "demo.py")
+_CONFIG = config_flags.DEFINE_config_file("config", _DEMO, "training config file[:variant]",
+                                          lock_config=True)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  config = _CONFIG.value
+  logging.info("config:\n%s", config)
+  trainer.Trainer(config).run()
+
+
+if __name__ == "__main__":
+  flags.FLAGS.alsologtostderr = True
+  app.run(main)

@@ -1,0 +1,47 @@
+"""Builds the simulated user named by a `sim_user` config section."""
+
+from __future__ import annotations
+
+from models import qwen2
+from models.sampler import Sampler, SamplingParams
+from sim_user import dynamics
+from sim_user.backends.flax_llm import FlaxLLMBackend
+from sim_user.backends.openai_http import OpenAIChatBackend
+from sim_user.backends.scripted import ScriptedBackend
+from sim_user.simulator import SimulatedUser
+from sim_user.templates import PromptSet
+
+BACKENDS = ("openai", "flax", "scripted")
+
+
+def make_backend(cfg, mesh=None):
+  if cfg.backend == "scripted":
+    return ScriptedBackend()
+  if cfg.backend == "openai":
+    return OpenAIChatBackend(cfg.base_url, cfg.model, api_key_env=cfg.api_key_env,
+                             max_concurrency=cfg.max_concurrency, timeout_s=cfg.timeout_s,
+                             max_retries=cfg.http_retries, temperature=cfg.temperature,
+                             max_tokens=cfg.max_tokens)
+  if cfg.backend == "flax":
+    if not cfg.checkpoint:
+      raise ValueError("sim_user.backend=flax needs --config.sim_user.checkpoint=DIR "
+                       "(an HF Qwen2 checkpoint for the simulator)")
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(cfg.checkpoint)
+    model = qwen2.from_pretrained(cfg.checkpoint, dtype="bfloat16" if mesh is not None else
+                                  "float32", mesh=mesh)
+    stops = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    sampler = Sampler(model, stop_token_ids=[s for s in stops if s is not None],
+                      pad_id=tokenizer.pad_token_id or 0, mesh=mesh)
+    return FlaxLLMBackend(sampler, tokenizer, SamplingParams(
+        max_new_tokens=cfg.max_tokens, temperature=cfg.temperature))
+  raise ValueError(f"sim_user.backend={cfg.backend!r}; expected one of {BACKENDS}")
+
+
+def make_simulated_user(cfg, mesh=None, rules: str | None = None) -> SimulatedUser:
+  prompts = PromptSet.load(cfg.templates or None, language=cfg.language, variant=cfg.variant)
+  rule_set = dynamics.get_rules(rules or cfg.rules)
+  target_header = "Reason" if rule_set.name == "rlver_train" else "TargetCompletion"
+  return SimulatedUser(make_backend(cfg, mesh), rule_set, prompts,
+                       max_retries=cfg.parse_retries, on_failure=cfg.on_failure,
+                       target_header=target_header)

@@ -1,0 +1,1 @@
+"""Simulator backends: scripted (rule-based), OpenAI-compatible HTTP, in-process Flax LLM."""

@@ -1,0 +1,47 @@
+"""The one interface every simulator backend implements."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Protocol, Sequence
+
+from sim_user.profiles import Profile
+
+OPENING = "opening"
+PLANNING = "planning"
+REPLY = "reply"
+
+
+@dataclasses.dataclass(frozen=True)
+class SimRequest:
+  """One simulator LLM call.
+
+  LLM backends send `prompt` (the rendered template). The scripted backend
+  reads the structured context instead: the same information, no LLM.
+  """
+
+  kind: str  # OPENING, PLANNING or REPLY
+  prompt: str
+  profile: Profile
+  variant: str
+  emotion: float
+  history: tuple  # ({"role", "content"}, ...) so far, the agent's replies as the user saw them
+  agent_reply: str = ""  # PLANNING: the reply being judged
+  planning: object = None  # REPLY: the parsed Planning of this turn
+  turn: int = 0  # agent replies so far
+
+
+class BackendError(Exception):
+  """A call that failed after the backend's own retries; `reason` is for metrics."""
+
+  def __init__(self, reason: str, detail: str = ""):
+    super().__init__(f"{reason}: {detail}" if detail else reason)
+    self.reason = reason
+
+
+class Backend(Protocol):
+
+  def complete(self, requests: Sequence[SimRequest]) -> list[str | BackendError]:
+    """One text (or the error that replaced it) per request, in order. Never raises for
+    a single request's failure."""
+    ...

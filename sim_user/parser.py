@@ -1,0 +1,135 @@
+"""Parsing the simulator's sectioned text: planning (emotion analysis) and reply.
+
+Headers may carry full-width colons, markdown bold or headings, brackets
+([Content], 【Content】), bullets and any case; prose before the first header
+is ignored. Bodies are returned as written (Chinese punctuation intact); only
+the emotion change is read after NFKC normalisation (full-width digits/signs). A missing or empty required section raises `MissingSectionError`,
+an unreadable emotion change `BadChangeError`; both are `SimulatorParseError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import unicodedata
+
+PLANNING_SECTIONS = ("content", "target_completion", "activity", "analyse", "change")
+REPLY_SECTIONS = ("thinking", "origin", "change", "response")
+
+# Header spellings (lower-case, no spaces) -> section key.
+_PLANNING_ALIASES = {
+    "content": "content", "targetcompletion": "target_completion", "reason": "target_completion",
+    "activity": "activity", "analyse": "analyse", "analyze": "analyse", "analysis": "analyse",
+    "change": "change",
+}
+_REPLY_ALIASES = {"thinking": "thinking", "origin": "origin", "change": "change",
+                  "response": "response"}
+
+_MINUS_SIGNS = "\u2212\u2012\u2013\u2014\ufe63\uff0d"  # minus, dashes, small and full-width minus
+_CHANGE_RE = re.compile(r"(?<![\d.])([+-]?)\s*(\d+)(?![\d.])")
+
+
+class SimulatorParseError(ValueError):
+  """The simulator's text does not have the sections we need."""
+
+
+class MissingSectionError(SimulatorParseError):
+
+  def __init__(self, section: str, kind: str):
+    super().__init__(f"{kind} output has no {section!r} section")
+    self.section = section
+
+
+class BadChangeError(SimulatorParseError):
+
+  def __init__(self, text: str):
+    super().__init__(f"no integer emotion change in {text[:80]!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Planning:
+  content: str
+  target_completion: str
+  activity: str
+  analyse: str
+  change: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Reply:
+  thinking: str
+  origin: str
+  change: str
+  response: str
+
+
+def _normalise(text: str) -> str:
+  text = unicodedata.normalize("NFKC", text)  # full-width digits and plus
+  for sign in _MINUS_SIGNS:
+    text = text.replace(sign, "-")
+  return text
+
+
+def _header_pattern(aliases: dict[str, str]) -> re.Pattern:
+  names = "|".join(sorted((re.escape(a) for a in aliases), key=len, reverse=True))
+  # Optional bullets, '#', '*', '_' and brackets around the name, a colon, the rest of the line.
+  return re.compile(
+      rf"^[ \t]*(?:[-*>#]+[ \t]*)?[*_]*[\[【(]?[ \t]*[*_]*(?P<name>{names})[*_]*[ \t]*[\]】)]?"
+      rf"[*_]*[ \t]*[:：﹕][*_]*[ \t]*(?P<rest>.*)$",
+      re.IGNORECASE | re.MULTILINE)
+
+
+_PLANNING_RE = _header_pattern(_PLANNING_ALIASES)
+_REPLY_RE = _header_pattern(_REPLY_ALIASES)
+
+
+def split_sections(text: str, pattern: re.Pattern, aliases: dict[str, str]) -> dict[str, str]:
+  """Section key -> body.
+
+  Only the first header of each section splits the text, so a later line
+  such as "Reason: ..." inside a monologue stays part of that monologue.
+  """
+  headers, seen = [], set()
+  for match in pattern.finditer(text):
+    key = aliases[match.group("name").lower()]
+    if key not in seen:
+      seen.add(key)
+      headers.append((key, match))
+  sections: dict[str, str] = {}
+  for i, (key, match) in enumerate(headers):
+    end = headers[i + 1][1].start() if i + 1 < len(headers) else len(text)
+    sections[key] = (match.group("rest") + text[match.end():end]).strip().strip("*").strip()
+  return sections
+
+
+def parse_change(text: str) -> int:
+  """The first signed integer in a `Change:` section."""
+  match = _CHANGE_RE.search(_normalise(text))
+  if not match:
+    raise BadChangeError(text)
+  sign, digits = match.groups()
+  return -int(digits) if sign == "-" else int(digits)
+
+
+def parse_planning(text: str) -> Planning:
+  sections = split_sections(text, _PLANNING_RE, _PLANNING_ALIASES)
+  for key in PLANNING_SECTIONS:
+    if not sections.get(key):
+      raise MissingSectionError(key, "planning")
+  return Planning(content=sections["content"], target_completion=sections["target_completion"],
+                  activity=sections["activity"], analyse=sections["analyse"],
+                  change=parse_change(sections["change"]))
+
+
+def parse_reply(text: str, require_all: bool = False) -> Reply:
+  """Only `Response:` is required unless `require_all`; the agent sees nothing else."""
+  sections = split_sections(text, _REPLY_RE, _REPLY_ALIASES)
+  required = REPLY_SECTIONS if require_all else ("response",)
+  for key in required:
+    if not sections.get(key):
+      raise MissingSectionError(key, "reply")
+  response = sections["response"].strip().strip('"“”「」').strip()
+  if not response:
+    raise MissingSectionError("response", "reply")
+  return Reply(thinking=sections.get("thinking", ""), origin=sections.get("origin", ""),
+               change=sections.get("change", ""), response=response)

@@ -1,0 +1,207 @@
+"""The simulated user: two backend calls per turn, batched over every live dialogue.
+
+Each user turn is (1) planning: the simulator judges the agent's reply and
+states an emotion change; (2) reply: it writes its next message given that
+judgement. The opening turn is the profile's `first_talk` or a generated
+line. Unparsable output is retried a bounded number of times; after that
+the dialogue is ended as failed or dropped from the batch (configurable), and
+every fallback is counted in `metrics`. Nothing loops forever and no
+dialogue is lost: each one ends with an `end_reason`.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Callable, Sequence
+
+from sim_user import dynamics, parser
+from sim_user.backends.base import OPENING, PLANNING, REPLY, Backend, BackendError, SimRequest
+from sim_user.profiles import Profile
+from sim_user.templates import PromptSet
+from sim_user.thinking import strip_thinking
+
+SIMULATOR_ERROR = "simulator_error"
+END_FAILED = "end_failed"
+DROP = "drop"
+
+DEFAULT_GOODBYES = ("goodbye", "bye", "see you", "farewell", "再见", "拜拜", "先这样吧")
+
+
+@dataclasses.dataclass
+class Dialogue:
+  """One simulated conversation. `history` follows the SAGE result format."""
+
+  profile: Profile
+  emotion: float
+  history: list = dataclasses.field(default_factory=list)
+  emotions: list = dataclasses.field(default_factory=list)  # trajectory, initial first
+  agent_turns: int = 0
+  end_reason: str | None = None
+  failure: str | None = None  # infrastructure failure that ended it
+  dropped: bool = False  # excluded from training and scoring
+
+  @property
+  def done(self) -> bool:
+    return self.end_reason is not None
+
+  @property
+  def reward(self) -> float | None:
+    """max(e_T, 0) / 100; 0 for a dialogue the simulator failed; None when dropped."""
+    if self.dropped:
+      return None
+    return 0.0 if self.failure else dynamics.reward(self.emotion)
+
+  def messages(self) -> list[dict]:
+    """The conversation as the agent sees it (simulated user = "user")."""
+    return [{"role": m["role"], "content": m["content"]} for m in self.history]
+
+
+class SimulatedUser:
+
+  def __init__(self, backend: Backend, rules: dynamics.EmotionRules, prompts: PromptSet, *,
+               max_retries: int = 2, on_failure: str = END_FAILED,
+               goodbye_phrases: Sequence[str] = DEFAULT_GOODBYES,
+               target_header: str = "TargetCompletion"):
+    if on_failure not in (END_FAILED, DROP):
+      raise ValueError(f"on_failure must be {END_FAILED!r} or {DROP!r}, got {on_failure!r}")
+    if max_retries < 0:
+      raise ValueError(f"max_retries must be >= 0, got {max_retries}")
+    self.backend = backend
+    self.rules = rules
+    self.prompts = prompts
+    self.max_retries = max_retries
+    self.on_failure = on_failure
+    self.target_header = target_header
+    words = "|".join(re.escape(p) for p in goodbye_phrases)
+    self._goodbye_re = re.compile(rf"(?<![A-Za-z])(?:{words})(?![A-Za-z])", re.IGNORECASE)
+    self.metrics: collections.Counter = collections.Counter()
+
+  def says_goodbye(self, text: str) -> bool:
+    return bool(self._goodbye_re.search(text))
+
+  # Dialogue life cycle.
+
+  def start(self, profiles: Sequence[Profile]) -> list[Dialogue]:
+    """New dialogues, each opened by the simulated user."""
+    dialogues = [Dialogue(profile=p, emotion=self.rules.initial, emotions=[self.rules.initial])
+                 for p in profiles]
+    to_generate = [d for d in dialogues if not d.profile.first_talk]
+    for d in dialogues:
+      if d.profile.first_talk:
+        d.history.append({"role": "user", "content": d.profile.first_talk,
+                          "emotion-point": d.emotion})
+    requests = [self._request(OPENING, d) for d in to_generate]
+    for d, result in zip(to_generate, self._call(requests, parser.parse_reply)):
+      if isinstance(result, str):
+        self._fail(d, result)
+      else:
+        d.history.append({"role": "user", "content": result.response, "emotion-point": d.emotion})
+    return dialogues
+
+  def respond(self, dialogues: Sequence[Dialogue], agent_replies: Sequence[str]) -> None:
+    """Feeds each live dialogue the agent's reply and runs the user's turn on all of them."""
+    if len(dialogues) != len(agent_replies):
+      raise ValueError(f"{len(agent_replies)} replies for {len(dialogues)} dialogues")
+    live = []
+    for d, reply in zip(dialogues, agent_replies):
+      if d.done:
+        continue
+      d.agent_turns += 1
+      seen = strip_thinking(reply)
+      entry = {"role": "assistant", "content": seen}
+      if seen != reply:
+        entry["raw_content"] = reply
+      d.history.append(entry)
+      live.append(d)
+
+    plannings = self._call([self._request(PLANNING, d) for d in live], parser.parse_planning)
+    judged = []
+    for d, planning in zip(live, plannings):
+      if isinstance(planning, str):
+        self._fail(d, planning)
+        continue
+      d.emotion = dynamics.update(self.rules, d.emotion, planning.change)
+      d.emotions.append(d.emotion)
+      judged.append((d, planning))
+
+    replies = self._call([self._request(REPLY, d, planning=p) for d, p in judged],
+                         parser.parse_reply)
+    for (d, planning), reply in zip(judged, replies):
+      if isinstance(reply, str):
+        self._fail(d, reply)
+        continue
+      d.history.append({
+          "role": "user", "content": reply.response, "emotion-point": d.emotion,
+          "thinking": reply.thinking,
+          "planning": {"content": planning.content, "TargetCompletion": planning.target_completion,
+                       "activity": planning.activity, "analyse": planning.analyse,
+                       "change": planning.change}})
+      d.end_reason = dynamics.end_reason(self.rules, d.emotion, d.agent_turns,
+                                         self.says_goodbye(reply.response))
+      if d.end_reason:
+        self.metrics[f"sim/end/{d.end_reason}"] += 1
+
+  # Calls, retries and fallbacks.
+
+  def _request(self, kind: str, d: Dialogue, planning=None) -> SimRequest:
+    fields = self.prompts.profile_fields(d.profile)
+    state = dynamics.emotion_state(d.emotion)
+    history = tuple(d.messages())
+    if kind == OPENING:
+      prompt = self.prompts.render(OPENING, **fields)
+    elif kind == PLANNING:
+      prompt = self.prompts.render(
+          PLANNING, **fields, emotion=f"{d.emotion:g}", emotion_state=state,
+          history=self.prompts.history_text(history[:-1]), agent_reply=history[-1]["content"],
+          target_header=self.target_header)
+    else:
+      planning_text = (f"{planning.analyse}\n{planning.activity}\n"
+                       f"(emotion change {planning.change:+d})")
+      prompt = self.prompts.render(
+          REPLY, **fields, emotion=f"{d.emotion:g}", emotion_state=state,
+          state_guidance=self.prompts.state_guidance(state),
+          history=self.prompts.history_text(history), planning=planning_text)
+    return SimRequest(kind=kind, prompt=prompt, profile=d.profile, variant=self.prompts.variant,
+                      emotion=d.emotion, history=history,
+                      agent_reply=history[-1]["content"] if kind == PLANNING else "",
+                      planning=planning, turn=d.agent_turns)
+
+  def _call(self, requests: list[SimRequest], parse: Callable):
+    """Parsed result per request, or the failure reason (a str) after bounded retries."""
+    results: list = [None] * len(requests)
+    pending = list(range(len(requests)))
+    for attempt in range(self.max_retries + 1):
+      if not pending:
+        break
+      if attempt:
+        self.metrics["sim/retries"] += len(pending)
+      outputs = self.backend.complete([requests[i] for i in pending])
+      if len(outputs) != len(pending):
+        raise RuntimeError(f"backend returned {len(outputs)} results for {len(pending)} requests")
+      still_pending = []
+      for i, output in zip(pending, outputs):
+        kind = requests[i].kind
+        if isinstance(output, BackendError):
+          self.metrics[f"sim/backend_errors/{output.reason}"] += 1
+          results[i] = f"backend {output.reason} in {kind}"
+          still_pending.append(i)
+          continue
+        try:
+          results[i] = parse(output)
+        except parser.SimulatorParseError as e:
+          self.metrics[f"sim/parse_errors/{kind}"] += 1
+          results[i] = f"unparsable {kind} output: {e}"
+          still_pending.append(i)
+      pending = still_pending
+    return results
+
+  def _fail(self, d: Dialogue, reason: str) -> None:
+    d.end_reason = SIMULATOR_ERROR
+    d.failure = reason
+    if self.on_failure == DROP:
+      d.dropped = True
+      self.metrics["sim/dropped_dialogues"] += 1
+    else:
+      self.metrics["sim/failed_dialogues"] += 1

@@ -1,0 +1,225 @@
+"""Simulator backends: the HTTP client against a faulty local server, and the Flax LLM."""
+
+import http.server
+import json
+import logging
+import threading
+import time
+
+import pytest
+
+from models import qwen2
+from models.sampler import Sampler, SamplingParams
+from rlver_jax import tiny
+from sim_user import dynamics, profiles, templates
+from sim_user.backends.base import BackendError, SimRequest
+from sim_user.backends.flax_llm import FlaxLLMBackend
+from sim_user.backends.openai_http import OpenAIChatBackend
+from sim_user.simulator import SimulatedUser
+
+PLANNING_ANSWER = ("Content: comfort\nTargetCompletion: partly\nActivity: hmm\n"
+                   "Analyse: fine\nChange: +5")
+REPLY_ANSWER = "Thinking: t\nOrigin: o\nChange: c\nResponse: I see. Go on."
+SECRET = "sk-test-secret-123"
+
+
+class FaultyServer(http.server.ThreadingHTTPServer):
+  """Answers chat completions; faults are chosen per prompt and attempt.
+
+  A prompt containing "ALWAYS_500" always fails. Otherwise the n-th attempt
+  of a prompt gets `script[n]` while there is one: 500, 429, timeout
+  (sleeps past the client's timeout), malformed (invalid JSON), slow
+  (answers late but in time), empty (JSON without choices); then a real answer.
+  """
+
+  daemon_threads = True
+
+  def __init__(self, script):
+    super().__init__(("127.0.0.1", 0), _Handler)
+    self.script = script
+    self.attempts = {}
+    self.lock = threading.Lock()
+    self.in_flight = 0
+    self.max_in_flight = 0
+    self.auth_headers = set()
+
+  @property
+  def url(self):
+    return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+
+  def log_message(self, *args):
+    pass
+
+  def do_POST(self):
+    server = self.server
+    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+    prompt = body["messages"][0]["content"]
+    with server.lock:
+      attempt = server.attempts.get(prompt, 0)
+      server.attempts[prompt] = attempt + 1
+      server.in_flight += 1
+      server.max_in_flight = max(server.max_in_flight, server.in_flight)
+      server.auth_headers.add(self.headers.get("Authorization"))
+    try:
+      fault = "500" if "ALWAYS_500" in prompt else (
+          server.script[attempt] if attempt < len(server.script) else None)
+      if fault in ("500", "429"):
+        self.send_response(int(fault))
+        if fault == "429":
+          self.send_header("Retry-After", "0")
+        self.end_headers()
+        self.wfile.write(b'{"error": "injected"}')
+        return
+      if fault == "timeout":
+        time.sleep(1.0)
+      if fault == "slow":
+        time.sleep(0.15)
+      if fault == "malformed":
+        payload = b'{"choices": [ {"message": '
+      elif fault == "empty":
+        payload = b'{"choices": []}'
+      else:
+        text = PLANNING_ANSWER if "Activity:" in prompt else REPLY_ANSWER
+        payload = json.dumps({"choices": [{"message": {"role": "assistant",
+                                                       "content": text}}]}).encode()
+      self.send_response(200)
+      self.send_header("Content-Type", "application/json")
+      self.end_headers()
+      try:
+        self.wfile.write(payload)
+      except (BrokenPipeError, ConnectionResetError):
+        pass
+    finally:
+      with server.lock:
+        server.in_flight -= 1
+
+
+@pytest.fixture
+def serve():
+  servers = []
+
+  def start(script):
+    server = FaultyServer(script)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    servers.append(server)
+    return server
+
+  yield start
+  for server in servers:
+    server.shutdown()
+    server.server_close()
+
+
+def backend_for(server, monkeypatch, **kwargs):
+  monkeypatch.setenv("SIM_KEY", SECRET)
+  options = dict(api_key_env="SIM_KEY", timeout_s=0.5, backoff_s=0.01, max_backoff_s=0.05,
+                 max_retries=6, max_concurrency=3)
+  options.update(kwargs)
+  return OpenAIChatBackend(server.url, "sim-model", **options)
+
+
+def requests_for(prompts):
+  profile = profiles.load_profiles(profiles.DEMO_PROFILES)[0]
+  return [SimRequest(kind="reply", prompt=p, profile=profile, variant="vanilla", emotion=30,
+                     history=()) for p in prompts]
+
+
+def test_http_client_retries_every_injected_fault(serve, monkeypatch, caplog):
+  server = serve(["500", "429", "timeout", "malformed", "empty", "slow"])
+  backend = backend_for(server, monkeypatch)
+  with caplog.at_level(logging.DEBUG):
+    results = backend.complete(requests_for([f"prompt {i}" for i in range(5)]))
+  assert results == [REPLY_ANSWER] * 5
+  for reason in ("http_500", "http_429", "timeout"):
+    assert backend.stats[reason] == 5, reason
+  assert backend.stats["malformed"] == 10  # invalid JSON, then no choices
+  assert backend.stats["ok"] == 5
+  assert server.max_in_flight <= 3  # bounded concurrency
+  assert server.auth_headers == {f"Bearer {SECRET}"}
+  assert SECRET not in caplog.text
+
+
+def test_http_client_gives_up_after_bounded_retries(serve, monkeypatch):
+  server = serve([])
+  backend = backend_for(server, monkeypatch, max_retries=2)
+  [result] = backend.complete(requests_for(["ALWAYS_500 please"]))
+  assert isinstance(result, BackendError) and result.reason == "http_500"
+  assert server.attempts["ALWAYS_500 please"] == 3
+  assert SECRET not in str(result)
+
+
+def test_http_client_does_not_retry_a_client_error(monkeypatch):
+  class BadRequest(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args):
+      pass
+
+    def do_POST(self):
+      self.rfile.read(int(self.headers["Content-Length"]))
+      self.send_response(400)
+      self.end_headers()
+      self.wfile.write(b"bad model name")
+
+  server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), BadRequest)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  try:
+    backend = OpenAIChatBackend(f"http://127.0.0.1:{server.server_address[1]}/v1", "m",
+                                backoff_s=0.01)
+    [result] = backend.complete(requests_for(["x"]))
+    assert result.reason == "http_400" and "bad model name" in str(result)
+    assert backend.stats["http_400"] == 1
+  finally:
+    server.shutdown()
+    server.server_close()
+
+
+def test_connection_refused_is_reported_not_raised():
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]  # closed again: nothing listens there
+  backend = OpenAIChatBackend(f"http://127.0.0.1:{port}/v1", "m", max_retries=1, backoff_s=0.01)
+  [result] = backend.complete(requests_for(["x"]))
+  assert result.reason == "connection"
+
+
+def test_every_dialogue_completes_or_fails_with_a_reason(serve, monkeypatch):
+  server = serve(["500", "timeout", "malformed", "slow"])
+  backend = backend_for(server, monkeypatch, max_retries=5)
+  demo = profiles.load_profiles(profiles.DEMO_PROFILES)
+  broken = profiles.Profile(**{**demo[1].__dict__, "id": "broken",
+                               "player": demo[1].player + " ALWAYS_500"})
+  cohort = [demo[0], broken, demo[2], demo[3]]
+  user = SimulatedUser(backend, dynamics.RLVER_TRAIN,
+                       templates.PromptSet.load(language="en"), max_retries=1)
+  dialogues = user.start(cohort)
+  for _ in range(2):
+    user.respond(dialogues, ["I hear you, tell me more."] * len(dialogues))
+  assert len(dialogues) == len(cohort)
+  for d in dialogues:
+    if d.profile.id == "broken":
+      assert d.done and d.failure and "http_500" in d.failure
+    else:
+      assert d.failure is None and d.emotions == [30, 35, 40]
+      assert d.history[-1]["content"] == "I see. Go on."
+  assert user.metrics["sim/failed_dialogues"] == 1
+
+
+def test_flax_llm_backend_answers_every_request(tmp_path):
+  tiny.write_checkpoint(str(tmp_path), seed=2)
+  tokenizer = tiny.load_tokenizer()
+  sampler = Sampler(qwen2.from_pretrained(tmp_path),
+                    stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+  backend = FlaxLLMBackend(sampler, tokenizer, SamplingParams(max_new_tokens=8, temperature=1.0),
+                           max_batch_size=2, max_prompt_tokens=400)
+  prompts = ["short prompt", "another one", "third", "x " * 500]
+  results = backend.complete(requests_for(prompts))
+  assert all(isinstance(r, str) for r in results[:3])
+  assert isinstance(results[3], BackendError) and results[3].reason == "prompt_too_long"
+  # A random model writes no sections: the simulator fails those dialogues cleanly.
+  user = SimulatedUser(backend, dynamics.RLVER_TRAIN, templates.PromptSet.load(), max_retries=1)
+  dialogues = user.start(profiles.load_profiles(profiles.DEMO_PROFILES)[:2])
+  user.respond(dialogues, ["hello", "hi"])
+  assert all(d.end_reason == "simulator_error" and "unparsable" in d.failure for d in dialogues)

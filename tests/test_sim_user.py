@@ -1,0 +1,379 @@
+"""The simulated user: profiles, templates, parser, dynamics, simulator, replay."""
+
+import json
+import re
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sim_user import dynamics, parser, profiles, replay, templates
+from sim_user.backends.base import BackendError
+from sim_user.backends.scripted import ScriptedBackend, judge
+from sim_user.simulator import DROP, END_FAILED, SIMULATOR_ERROR, SimulatedUser
+from sim_user.thinking import split_thinking, strip_thinking
+
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+RLVER = os.path.join(SHARED, "rlver")
+SAGE = os.path.join(SHARED, "sage")
+
+
+# Profiles.
+
+def test_released_profiles_load_with_their_known_gaps():
+  train = profiles.load_profiles(os.path.join(RLVER, "train_profile.jsonl"))
+  test = profiles.load_profiles(os.path.join(RLVER, "test_profile.jsonl"))
+  assert (len(train), len(test)) == (500, 100)
+  assert all(p.topic is None and p.first_talk is None for p in train)  # no topic, no opener
+  assert all(p.first_talk for p in test)
+  assert {p.intention for p in test} == set(profiles.INTENTIONS)
+  assert all(p.intention for p in train) and test[0].language == "zh"
+
+
+def test_demo_profiles_cover_every_intention_in_english():
+  demo = profiles.load_profiles(profiles.DEMO_PROFILES)
+  assert sorted(p.intention for p in demo) == sorted(profiles.INTENTIONS)
+  assert all(p.language == "en" and p.first_talk for p in demo)
+
+
+@pytest.mark.parametrize("line,message", [
+    ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m"}', "2: field 'task': missing"),
+    ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": 3}',
+     "2: field 'task': must be a non-empty string"),
+    ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": "t", "cha_group": [1]}',
+     "2: field 'cha_group': must be a list of strings"),
+    ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": "t", "first_talk": 5}',
+     "2: field 'first_talk': must be a string"),
+    ('{"id": "a", ', "2: invalid JSON"),
+    ('["a"]', "2: expected a JSON object"),
+])
+def test_malformed_profile_lines_name_file_line_and_field(tmp_path, line, message):
+  good = {"id": "ok", "player": "p", "scene": "s", "main_cha": "m", "task": "t"}
+  path = tmp_path / "profiles.jsonl"
+  path.write_text(json.dumps(good) + "\n" + line + "\n")
+  with pytest.raises(profiles.ProfileError, match=re.escape(f"{path}:{message}")):
+    profiles.load_profiles(str(path))
+
+
+def test_duplicate_ids_and_missing_files_are_errors(tmp_path):
+  good = json.dumps({"id": "x", "player": "p", "scene": "s", "main_cha": "m", "task": "t"})
+  path = tmp_path / "dup.jsonl"
+  path.write_text(good + "\n" + good + "\n")
+  with pytest.raises(profiles.ProfileError, match="'x' appears twice"):
+    profiles.load_profiles(str(path))
+  with pytest.raises(profiles.ProfileError, match="no such profile file"):
+    profiles.load_profiles(str(tmp_path / "none.jsonl"))
+
+
+# Templates.
+
+@pytest.mark.parametrize("language", ["en", "zh"])
+@pytest.mark.parametrize("variant", ["vanilla", "challenging"])
+def test_our_templates_load_and_keep_sage_sections(language, variant):
+  prompts = templates.PromptSet.load(language=language, variant=variant)
+  profile = profiles.load_profiles(profiles.DEMO_PROFILES)[0]
+  text = prompts.render("planning", **prompts.profile_fields(profile), emotion="40",
+                        emotion_state="B", history="-", agent_reply="hi",
+                        target_header="TargetCompletion")
+  for header in ("Content:", "TargetCompletion:", "Activity:", "Analyse:", "Change:"):
+    assert header in text
+  reply = prompts.render("reply", **prompts.profile_fields(profile), emotion="40",
+                         emotion_state="B", state_guidance="", history="-", planning="-")
+  for header in ("Thinking:", "Origin:", "Change:", "Response:"):
+    assert header in reply
+  assert prompts.variant_rules in text
+
+
+def test_a_bad_placeholder_in_a_user_template_names_the_file(tmp_path):
+  for name in os.listdir(templates.DEFAULT_DIR):
+    (tmp_path / name).write_text(open(os.path.join(templates.DEFAULT_DIR, name)).read())
+  (tmp_path / "reply_en.txt").write_text("Hello $player, $mood")
+  with pytest.raises(templates.TemplateError, match=r"reply_en.txt: unknown placeholder \$mood"):
+    templates.PromptSet.load(str(tmp_path))
+  with pytest.raises(templates.TemplateError, match="variant 'harsh'"):
+    templates.PromptSet.load(variant="harsh")
+
+
+# Parser.
+
+PLANNING = """Let me think about this first.
+**Content：** The NPC wants to comfort me.
+[TargetCompletion]: partly, it misses what I want.
+- Activity: 我觉得他没听懂。
+### Analyse
+: unused
+Analyse：有点失望。
+Change：
+[人物情绪变化]
+－５
+"""
+
+
+def test_parser_tolerates_sage_style_noise():
+  planning = parser.parse_planning(PLANNING)
+  assert planning.change == -5
+  assert planning.content == "The NPC wants to comfort me."
+  # "### Analyse" without a colon is not a header: it stays in the monologue.
+  assert planning.activity.startswith("我觉得他没听懂。") and "unused" in planning.activity
+  assert planning.analyse == "有点失望。"
+  assert parser.parse_planning(PLANNING.replace("[TargetCompletion]", "Reason")).change == -5
+  reply = parser.parse_reply("Thinking: be curt\nOrigin: whatever\nChange: shorter\n"
+                             "**Response**：“算了，再说吧。”")
+  assert reply.response == "算了，再说吧。"
+
+
+@pytest.mark.parametrize("change_text,value", [
+    ("+10", 10), ("-10", -10), ("5", 5), ("＋５", 5), ("\u22125", -5), ("Change of -5 points", -5),
+    ("[情绪变化]\n+5 (更放松了)", 5), ("-0", 0),
+])
+def test_change_values(change_text, value):
+  assert parser.parse_change(change_text) == value
+
+
+def test_missing_sections_raise_typed_errors():
+  with pytest.raises(parser.MissingSectionError) as err:
+    parser.parse_planning("Content: x\nActivity: y\nAnalyse: z\nChange: +5")
+  assert err.value.section == "target_completion"
+  with pytest.raises(parser.BadChangeError):
+    parser.parse_planning("Content: x\nReason: y\nActivity: y\nAnalyse: z\nChange: a lot")
+  with pytest.raises(parser.MissingSectionError):
+    parser.parse_reply("Thinking: only thinking")
+  with pytest.raises(parser.MissingSectionError):
+    parser.parse_reply("Response:   ")
+  assert issubclass(parser.MissingSectionError, parser.SimulatorParseError)
+
+
+_body = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r:："),
+                min_size=1, max_size=40).filter(lambda s: s.strip().strip("*").strip())
+_decorations = st.sampled_from(["{h}:", "{h}：", "**{h}:**", "**{h}**：", "[{h}]:", "【{h}】：",
+                                "### {h}:", "- {h}:", "{h_lower}:"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(bodies=st.lists(_body, min_size=4, max_size=4), change=st.integers(-10, 10),
+       decoration=_decorations, prose=st.text(max_size=30).filter(lambda s: ":" not in s),
+       plus=st.booleans())
+def test_fuzzed_planning_round_trips(bodies, change, decoration, prose, plus):
+  def header(name):
+    return decoration.format(h=name, h_lower=name.lower())
+
+  # Bodies are single lines that cannot be mistaken for a header.
+  bodies = [" ".join(b.split()) or "x" for b in bodies]
+  sign = "+" if plus and change >= 0 else ""
+  text = "\n".join([prose.replace("\n", " "),
+                    f"{header('Content')} {bodies[0]}", f"{header('TargetCompletion')} {bodies[1]}",
+                    f"{header('Activity')} {bodies[2]}", f"{header('Analyse')} {bodies[3]}",
+                    f"{header('Change')} {sign}{change}"])
+  planning = parser.parse_planning(text)
+  assert planning.change == change
+  assert planning.content.strip("*").strip() == bodies[0].strip("*").strip()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=300))
+def test_parser_never_crashes_outside_its_error_types(text):
+  for parse in (parser.parse_planning, parser.parse_reply):
+    try:
+      parse(text)
+    except parser.SimulatorParseError:
+      pass
+
+
+# Dynamics.
+
+def test_sage_benchmark_rules():
+  r = dynamics.SAGE_BENCHMARK
+  assert r.initial == 40
+  assert dynamics.update(r, 40, 25) == 50  # clipped to +10
+  assert dynamics.update(r, 95, 10) == 100  # capped
+  assert dynamics.update(r, 12, -30) == 2
+  assert dynamics.end_reason(r, 100, 3) == dynamics.SUCCESS
+  assert dynamics.end_reason(r, 9.5, 3) == dynamics.FAILURE
+  assert dynamics.end_reason(r, 10, 3) is None
+  assert dynamics.end_reason(r, 50, 3, said_goodbye=True) == dynamics.GOODBYE
+  assert dynamics.end_reason(r, 50, 10) == dynamics.MAX_TURNS
+  assert dynamics.end_reason(r, 50, 9) is None
+
+
+def test_rlver_train_rules():
+  r = dynamics.RLVER_TRAIN
+  assert r.initial == 30
+  assert dynamics.update(r, 30, 25) == 55  # no clip
+  assert dynamics.update(r, 30, -45) == -15
+  assert dynamics.end_reason(r, 0, 2) == dynamics.FAILURE
+  assert dynamics.end_reason(r, 1, 2) is None
+  assert dynamics.end_reason(r, 100, 2) is None  # training does not stop at the top
+  assert dynamics.end_reason(r, 50, 8) == dynamics.MAX_TURNS
+
+
+def test_rewards_and_states():
+  assert dynamics.reward(-15) == 0.0 and dynamics.reward(80) == 0.8
+  assert dynamics.turn_rewards([30, 40, 35]) == [0.1, -0.05]
+  assert [dynamics.emotion_state(e) for e in (100, 70, 69, 40, 10, 9)] == list("SABBCF")
+  assert dynamics.summarize([100, 5, 60]) == {"n": 3, "score": 55.0, "success_rate": 100 / 3,
+                                              "failure_rate": 100 / 3}
+
+
+# Thinking.
+
+def test_thinking_split_and_strip():
+  ok = split_thinking("<think>She wants praise.</think> You were brave.")
+  assert ok.well_formed and ok.thought == "She wants praise." and ok.reply == "You were brave."
+  for bad in ("You were brave.", "<think>unclosed", "<think>x</think>", "<think>a</think> b "
+              "<think>c</think>"):
+    assert not split_thinking(bad).well_formed
+  assert strip_thinking("<think>secret</think>Hello") == "Hello"
+  assert strip_thinking("Hi <think>never closed") == "Hi"
+
+
+# Simulator with the scripted backend.
+
+def demo(intention):
+  return next(p for p in profiles.load_profiles(profiles.DEMO_PROFILES)
+              if p.intention == intention)
+
+
+def make_user(backend=None, rules=dynamics.RLVER_TRAIN, variant="vanilla", **kwargs):
+  return SimulatedUser(backend or ScriptedBackend(), rules,
+                       templates.PromptSet.load(language="en", variant=variant), **kwargs)
+
+
+def test_fitting_replies_raise_emotion_and_missing_ones_lower_it():
+  user = make_user()
+  good, bad = user.start([demo("be_listened_to"), demo("be_listened_to")])
+  assert good.history[0]["content"] == demo("be_listened_to").first_talk
+  for _ in range(3):
+    user.respond([good, bad], ["I am listening, tell me more.", "You should try to relax."])
+  assert good.emotions == [30, 40, 50, 60]
+  assert bad.emotions == [30, 20, 10, 0] and bad.end_reason == dynamics.FAILURE
+  assert bad.reward == 0.0 and good.reward == pytest.approx(0.6)
+  planning = good.history[2]["planning"]
+  assert planning["change"] == 10 and "TargetCompletion" in planning
+
+
+def test_dialogue_ends_after_max_turns_and_thinking_is_hidden():
+  user = make_user()
+  [d] = user.start([demo("be_praised")])
+  for _ in range(8):
+    user.respond([d], ["<think>praise her</think> You did so well, I admire your courage."])
+  assert d.end_reason in (dynamics.MAX_TURNS, dynamics.GOODBYE)
+  assert d.agent_turns <= 8
+  assistant = [m for m in d.history if m["role"] == "assistant"][0]
+  assert assistant["content"] == "You did so well, I admire your courage."
+  assert "<think>" in assistant["raw_content"]
+
+
+def test_challenging_simulator_ignores_general_encouragement():
+  assert judge("I understand and I support you.", "be_praised", "vanilla")[0] == 5
+  assert judge("I understand and I support you.", "be_praised", "challenging")[0] == -5
+  assert judge("You were brave and I am proud of you.", "be_praised", "challenging")[0] == 10
+
+
+def test_vanilla_hints_and_challenging_does_not():
+  for variant, hints in (("vanilla", True), ("challenging", False)):
+    user = make_user(variant=variant)
+    [d] = user.start([demo("be_listened_to")])
+    user.respond([d], ["You should get some advice."])
+    assert ("need to let it out" in d.history[-1]["content"]) == hints
+
+
+def test_sage_rules_end_on_success_with_a_goodbye():
+  user = make_user(rules=dynamics.SAGE_BENCHMARK)
+  [d] = user.start([demo("not_my_fault")])
+  turns = 0
+  while not d.done:
+    user.respond([d], ["It was not your fault, nobody could have known."])
+    turns += 1
+  assert d.emotion == 100 and d.end_reason == dynamics.SUCCESS and turns == 6
+  assert user.metrics["sim/end/success"] == 1
+
+
+class FlakyBackend:
+  """Fails the first `failures` calls of each request kind per dialogue, then answers."""
+
+  def __init__(self, failures, error=None):
+    self.failures, self.error, self.seen, self.inner = failures, error, {}, ScriptedBackend()
+
+  def complete(self, requests):
+    out = []
+    for r in requests:
+      key = (r.profile.id, r.kind, r.turn)
+      self.seen[key] = self.seen.get(key, 0) + 1
+      if self.seen[key] <= self.failures.get(r.profile.id, 0):
+        out.append(self.error or "no sections at all")
+      else:
+        out.append(self.inner.complete([r])[0])
+    return out
+
+
+def test_bounded_retries_then_end_failed():
+  ids = [p.id for p in profiles.load_profiles(profiles.DEMO_PROFILES)[:3]]
+  backend = FlakyBackend({ids[0]: 1, ids[1]: 99})
+  user = make_user(backend, max_retries=2)
+  dialogues = user.start(profiles.load_profiles(profiles.DEMO_PROFILES)[:3])
+  user.respond(dialogues, ["I hear you."] * 3)
+  recovered, broken, fine = dialogues
+  assert not recovered.done and fine.failure is None
+  assert broken.end_reason == SIMULATOR_ERROR and "unparsable planning" in broken.failure
+  assert broken.reward == 0.0
+  assert backend.seen[(ids[1], "planning", 1)] == 3  # 1 try + 2 retries, never more
+  assert user.metrics["sim/failed_dialogues"] == 1
+  assert user.metrics["sim/parse_errors/planning"] == 1 + 3
+  # Planning: 2 retries for the broken one, 1 for the recovering one; its reply fails once too.
+  assert user.metrics["sim/retries"] == 2 + 1 + 1
+  assert user.metrics["sim/parse_errors/reply"] == 1
+  user.respond(dialogues, ["I hear you."] * 3)  # the broken one is skipped
+  assert len(broken.history) == 2
+
+
+def test_drop_policy_and_backend_errors():
+  p = profiles.load_profiles(profiles.DEMO_PROFILES)[0]
+  backend = FlakyBackend({p.id: 99}, error=BackendError("http_500", "boom"))
+  user = make_user(backend, max_retries=1, on_failure=DROP)
+  [d] = user.start([p])
+  user.respond([d], ["hi"])
+  assert d.dropped and d.reward is None and "backend http_500" in d.failure
+  assert user.metrics["sim/dropped_dialogues"] == 1
+  assert user.metrics["sim/backend_errors/http_500"] == 2
+
+
+def test_opening_turn_is_generated_without_first_talk():
+  train = profiles.load_profiles(os.path.join(RLVER, "train_profile.jsonl"))[:2]
+  user = make_user()
+  dialogues = user.start(train)
+  assert all(d.history[0]["role"] == "user" and d.history[0]["content"] for d in dialogues)
+
+
+# Replay of the recorded benchmark.
+
+def test_replay_reproduces_the_published_leaderboard():
+  expected = {"deepseek-v3-1227_result.jsonl": (37.55, 5, 39),
+              "qwen2.5-72b_result.jsonl": (19.1, 4, 70),
+              "claude3.7_result.jsonl": (54.8, 19, 24)}
+  for name, (score, success, failure) in expected.items():
+    result = replay.replay_file(os.path.join(SAGE, name), dynamics.SAGE_BENCHMARK)
+    assert result["n"] == 100
+    assert result["score"] == pytest.approx(score)
+    assert (result["success_rate"], result["failure_rate"]) == (success, failure)
+    assert result["mismatched_turns"] == 0
+
+
+def test_replay_cli_prints_one_object_per_file(capsys):
+  files = [os.path.join(SAGE, "claude3.7_result.jsonl"), os.path.join(SAGE, "qwen2.5-72b_result.jsonl")]
+  assert replay.main(files) == 0
+  lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+  assert [line["file"] for line in lines] == files
+  assert set(lines[0]) == {"file", "n", "score", "success_rate", "failure_rate", "mismatched_turns"}
+
+
+def test_replay_under_training_rules_differs(tmp_path):
+  result = replay.replay_file(os.path.join(SAGE, "claude3.7_result.jsonl"), dynamics.RLVER_TRAIN)
+  assert result["mismatched_turns"] > 0  # recorded under the benchmark's rules
+
+
+def test_replay_names_a_broken_record(tmp_path, capsys):
+  path = tmp_path / "bad.jsonl"
+  path.write_text(json.dumps({"history": [{"role": "user", "planning": {"change": "lots"}}]}) + "\n")
+  assert replay.main([str(path)]) == 2
+  assert f"{path}:1: history[0]" in capsys.readouterr().err
