@@ -36,7 +36,9 @@ _NEW_TOKENS = flags.DEFINE_integer("new_tokens", 128, "new tokens per prompt")
 _REPEATS = flags.DEFINE_integer("repeats", 2, "timed runs per measurement (best is kept)")
 _PEERS = flags.DEFINE_list("peers", ["transformers", "tunix"], "peers to run beside ours")
 _TURNS = flags.DEFINE_integer("turns", 8, "turns of the multi-turn benchmark (0 skips it)")
-_TURN_TOKENS = flags.DEFINE_integer("turn_tokens", 32, "user tokens and reply tokens per turn")
+_TURN_TOKENS = flags.DEFINE_integer("turn_tokens", 16, "user tokens and reply tokens per turn")
+_TURN_BATCH = flags.DEFINE_integer("turn_batch", 4, "dialogues in the multi-turn benchmark")
+_TURN_PROMPT = flags.DEFINE_integer("turn_prompt", 64, "opening tokens per dialogue")
 _OUT = flags.DEFINE_string("out", "bench_results/sampling.json", "JSON results")
 
 
@@ -185,6 +187,13 @@ def multi_turn(sampler: Sampler, prompts, turns, turn_tokens, vocab) -> dict:
           "reprefill_s": reprefill_s, "speedup": reprefill_s / reuse_s, "same_tokens": same}
 
 
+def write(results: dict) -> None:
+  """Results so far (a long run that is stopped keeps what it measured)."""
+  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump(results, f, indent=2)
+
+
 def main(argv):
   del argv
   config = qwen2.PRESETS[_PRESET.value]
@@ -211,15 +220,19 @@ def main(argv):
       hf, hf_tokens = run_transformers(path, prompts, new_tokens, _REPEATS.value)
       hf["same_tokens_as_ours"] = hf_tokens == ours_tokens
       results["engines"]["transformers"] = hf
+      write(results)
     if "tunix" in _PEERS.value:
       logging.info("tunix")
       tx, tx_tokens = run_tunix(path, config, prompts, new_tokens, _REPEATS.value,
                                 unreachable_stop)
       tx["same_tokens_as_ours"] = tx_tokens == ours_tokens
       results["engines"]["tunix"] = tx
+      write(results)
+    write(results)
     if _TURNS.value:
       logging.info("multi-turn")
-      results["multi_turn"] = multi_turn(sampler, prompts, _TURNS.value, _TURN_TOKENS.value,
+      openings = [p[:_TURN_PROMPT.value] for p in prompts[:_TURN_BATCH.value]]
+      results["multi_turn"] = multi_turn(sampler, openings, _TURNS.value, _TURN_TOKENS.value,
                                          config.vocab_size)
 
   bandwidth = copy_bandwidth_bytes_per_s()
@@ -247,12 +260,11 @@ def main(argv):
         f"{bandwidth / 2e9:.1f} GB/s read); ours {ours['decode_step_s'] * 1e3:.1f} ms")
   if "multi_turn" in results:
     mt = results["multi_turn"]
-    print(f"multi-turn ({mt['turns']} turns x {mt['turn_tokens']} tokens): reuse {mt['reuse_s']:.1f}s"
+    print(f"multi-turn ({_TURN_BATCH.value} dialogues, {_TURN_PROMPT.value}-token openings, "
+          f"{mt['turns']} turns x {mt['turn_tokens']} tokens): reuse {mt['reuse_s']:.1f}s"
           f", re-prefill {mt['reprefill_s']:.1f}s, speedup {mt['speedup']:.2f}x, "
           f"same tokens: {mt['same_tokens']}")
-  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-  with open(_OUT.value, "w") as f:
-    json.dump(results, f, indent=2)
+  write(results)
   print(f"wrote {_OUT.value}")
 
 

@@ -5,6 +5,7 @@
       --config.policy.checkpoint=DIR --config.rl.kl_coef=0.01   # any field can be overridden
 """
 
+import logging as logging_std
 import os
 
 from absl import app, flags, logging
@@ -18,7 +19,16 @@ _CONFIG = config_flags.DEFINE_config_file("config", _DEMO, "training config file
                                           lock_config=True)
 
 
+class _QuietLibraries(logging_std.Filter):
+  """Keeps our INFO progress lines; drops the INFO chatter of checkpointing and JAX internals."""
+
+  def filter(self, record):
+    return record.levelno >= logging_std.WARNING or not any(
+        part in record.pathname for part in ("orbax", "jax/_src", "etils"))
+
+
 def main(argv):
+  logging.get_absl_handler().addFilter(_QuietLibraries())
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   config = _CONFIG.value

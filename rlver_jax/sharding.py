@@ -58,8 +58,13 @@ def resolve_mesh_shape(axes: Mapping[str, int], num_devices: int) -> dict[str, i
 
 
 def make_mesh(axes: Mapping[str, int] | None = None, devices=None) -> Mesh:
-  devices = jax.devices() if devices is None else devices
-  sizes = resolve_mesh_shape(axes or DEFAULT_MESH_AXES, len(devices))
+  """A mesh over `devices` (default: all). Without a -1 axis the mesh may use
+  fewer devices than there are: the first prod(sizes) of them."""
+  devices = jax.devices() if devices is None else list(devices)
+  axes = dict(axes or DEFAULT_MESH_AXES)
+  if -1 not in axes.values() and math.prod(axes.values()) < len(devices):
+    devices = devices[:math.prod(axes.values())]
+  sizes = resolve_mesh_shape(axes, len(devices))
   # Auto axes: shardings propagate through the model as in pjit.
   return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
                        axis_types=(AxisType.Auto,) * len(sizes))

@@ -202,6 +202,7 @@ class Trainer:
     step = self.step + 1
     num_profiles = config.batch_size // config.rollout.samples_per_profile
     chosen = [self.profiles[i] for i in self.order.take(num_profiles)]
+    sim_counts_before = dict(self.user.metrics)
     self.sampler.update_weights(self.policy.params)
     rollout = rollout_lib.collect(self.sampler, self.formatter, self.user, chosen,
                                   self.rollout_cfg, seed=config.seed * 100_003 + step)
@@ -252,8 +253,8 @@ class Trainer:
             rollout.metrics["time/rollout"], 1e-9),
         "samples": len(rollout.samples),
     })
-    for key, count in self.user.metrics.items():
-      out[key] = count
+    for key, count in self.user.metrics.items():  # this step's simulator events
+      out[key] = count - sim_counts_before.get(key, 0)
     self.step = step
     return out
 

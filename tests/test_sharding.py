@@ -20,12 +20,14 @@ def test_mesh_fills_the_minus_one_axis():
       "data": 2, "fsdp": 2, "tensor": 2}
   mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
   assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
+  # Without -1 a mesh may take fewer devices than there are.
+  assert sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}).devices.size == 2
 
 
 @pytest.mark.parametrize("axes,message", [
     ({"data": -1, "fsdp": -1}, "at most one axis"),
     ({"data": 3, "fsdp": -1}, "do not divide"),
-    ({"data": 2, "fsdp": 2}, "needs 4 devices, 8 are available"),
+    ({"data": 4, "fsdp": 4}, "needs 16 devices, 8 are available"),
     ({"data": 0, "fsdp": -1}, "positive"),
 ])
 def test_mesh_errors(axes, message):

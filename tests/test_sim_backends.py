@@ -60,12 +60,14 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     with server.lock:
       attempt = server.attempts.get(prompt, 0)
       server.attempts[prompt] = attempt + 1
-      server.in_flight += 1
+      fault = "500" if "ALWAYS_500" in prompt else (
+          server.script[attempt] if attempt < len(server.script) else None)
+      # A timed-out request outlives the client's wait; only the others show its concurrency.
+      counted = fault != "timeout"
+      server.in_flight += counted
       server.max_in_flight = max(server.max_in_flight, server.in_flight)
       server.auth_headers.add(self.headers.get("Authorization"))
     try:
-      fault = "500" if "ALWAYS_500" in prompt else (
-          server.script[attempt] if attempt < len(server.script) else None)
       if fault in ("500", "429"):
         self.send_response(int(fault))
         if fault == "429":
@@ -94,7 +96,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         pass
     finally:
       with server.lock:
-        server.in_flight -= 1
+        server.in_flight -= counted
 
 
 @pytest.fixture
@@ -219,6 +221,7 @@ def test_flax_llm_backend_answers_every_request(tmp_path):
   assert all(isinstance(r, str) for r in results[:3])
   assert isinstance(results[3], BackendError) and results[3].reason == "prompt_too_long"
   # A random model writes no sections: the simulator fails those dialogues cleanly.
+  backend.max_prompt_tokens = 8192
   user = SimulatedUser(backend, dynamics.RLVER_TRAIN, templates.PromptSet.load(), max_retries=1)
   dialogues = user.start(profiles.load_profiles(profiles.DEMO_PROFILES)[:2])
   user.respond(dialogues, ["hello", "hi"])

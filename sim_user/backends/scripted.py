@@ -1,10 +1,11 @@
 """A deterministic, rule-based simulated user: no LLM, same text format as one.
 
 The hidden intention decides which kinds of reply move the emotion: each
-intention has phrases that fit it (emotion rises) and phrases that miss it
-(emotion falls). The vanilla variant also warms a little to general
-encouragement and hints at its need after a miss; the challenging variant
-rewards only replies that address the intention and never hints. The
+intention has phrases that fit it (+5 each, at most +10) and phrases that
+miss it (-5 each, at most -10). A reply with neither is off topic: the
+vanilla user warms to general encouragement (+5) and is unmoved otherwise
+(0), and hints at its need after a miss; the challenging user loses 5 on
+any off-topic reply and never hints. The
 output is SAGE-formatted planning and reply text, so the real parser runs on
 it. The same request always gives the same text.
 """
@@ -117,10 +118,13 @@ def judge(reply: str, intention: str | None, variant: str) -> tuple[int, list[st
   if not reply.strip():
     return -10, fits, misses
   change = 5 * min(len(fits), 2) - 5 * min(len(misses), 2)
-  if variant == "vanilla" and not fits and not misses and _hits(reply, ENCOURAGEMENT):
-    change = 5
-  if not fits and not misses and change == 0:
-    change = -5  # an off-topic reply lowers the mood
+  if not fits and not misses:
+    # Off topic: the vanilla user warms to encouragement and shrugs off the rest;
+    # the challenging one is let down by anything that misses its goal.
+    if variant == "vanilla":
+      change = 5 if _hits(reply, ENCOURAGEMENT) else 0
+    else:
+      change = -5
   return max(-10, min(10, change)), fits, misses
 
 
