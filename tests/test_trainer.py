@@ -122,3 +122,16 @@ def test_missing_checkpoint_says_how_to_set_it(tmp_path):
   config.mesh = {"data": 1, "fsdp": 1, "tensor": 1}
   with pytest.raises(ValueError, match="--config.policy.checkpoint="):
     trainer.Trainer(config)
+
+
+def test_demo_raises_final_emotion(tmp_path):
+  """The embedded default learns: the README's promise, shortened to 30 steps."""
+  config = demo.get_config()
+  config.workdir = str(tmp_path)
+  config.steps = 30
+  config.checkpoint.every = 30
+  config.checkpoint.export_at_end = False
+  trainer.Trainer(config).run()
+  emotion = [r["emotion/final_mean"] for r in read_metrics(tmp_path)]
+  assert len(emotion) == 30
+  assert np.mean(emotion[-5:]) >= np.mean(emotion[:5]) + 15, emotion
