@@ -12,6 +12,8 @@
 
 import ml_collections
 
+from configs import common
+
 THINK_SYSTEM_PROMPT = (
     "You are an emotionally intelligent companion. Before each reply, think about what the "
     "user really needs inside <think>...</think>, then write your reply after the closing tag.")
@@ -28,14 +30,9 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   c.batch_size = 32  # dialogues per step (profiles x samples_per_profile)
   c.log_every = 1
 
-  c.mesh = ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+  c.mesh = common.mesh_config()
 
-  c.policy = ml_collections.ConfigDict()
-  c.policy.checkpoint = ""  # an HF Qwen2 directory
-  c.policy.tiny_init = False  # demo only: write and use a tiny random checkpoint
-  c.policy.dtype = "bfloat16"  # compute dtype
-  c.policy.param_dtype = "float32"
-  c.policy.remat = True
+  c.policy = common.policy_config()
 
   c.critic = ml_collections.ConfigDict()
   c.critic.checkpoint = ""  # default: the policy's checkpoint
@@ -43,23 +40,7 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data = ml_collections.ConfigDict()
   c.data.train_profiles = ""  # RLVER's train_profile.jsonl
 
-  c.sim_user = ml_collections.ConfigDict()
-  c.sim_user.backend = "openai"  # openai | flax | scripted
-  c.sim_user.base_url = ""
-  c.sim_user.model = "deepseek-v3"
-  c.sim_user.api_key_env = "OPENAI_API_KEY"
-  c.sim_user.max_concurrency = 32
-  c.sim_user.timeout_s = 120.0
-  c.sim_user.http_retries = 4
-  c.sim_user.temperature = 0.7
-  c.sim_user.max_tokens = 1024
-  c.sim_user.checkpoint = ""  # flax backend: the simulator's HF checkpoint
-  c.sim_user.rules = "rlver_train"
-  c.sim_user.variant = "vanilla"  # vanilla | challenging
-  c.sim_user.language = "zh"  # the released profiles are Chinese
-  c.sim_user.templates = ""  # a directory of your own templates; empty: ours
-  c.sim_user.parse_retries = 2
-  c.sim_user.on_failure = "end_failed"  # or "drop"
+  c.sim_user = common.sim_user_config(rules="rlver_train")
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.samples_per_profile = 1

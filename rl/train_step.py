@@ -158,7 +158,7 @@ def sequence_logprobs(graphdef, params, batch, temperature: float):
 # Updates.
 
 def _apply_if_finite(loss, grads, params, opt_state, tx):
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt_state = tx.update(grads, opt_state, params)
   new_params = optax.apply_updates(params, updates)

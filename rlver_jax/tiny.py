@@ -78,22 +78,22 @@ def write_checkpoint(out_dir: str, *, seed: int = 0, **config_overrides) -> qwen
   return config
 
 
-_OUT = flags.DEFINE_string("out", None, "directory for a tiny random checkpoint")
-_SEED = flags.DEFINE_integer("seed", 0, "init seed")
-_BUILD = flags.DEFINE_bool("build_tokenizer", False, "rebuild the shipped tokenizer")
-
-
 def main(argv):
   del argv
-  if _BUILD.value:
+  out, seed, build = flags.FLAGS.out, flags.FLAGS.seed, flags.FLAGS.build_tokenizer
+  if build:
     build_tokenizer()
-  if _OUT.value:
-    config = write_checkpoint(_OUT.value, seed=_SEED.value)
+  if out:
+    config = write_checkpoint(out, seed=seed)
     logging.info("tiny Qwen2 (%d layers, width %d, vocab %d) written to %s",
-                 config.num_layers, config.hidden_size, config.vocab_size, _OUT.value)
-  if not (_BUILD.value or _OUT.value):
+                 config.num_layers, config.hidden_size, config.vocab_size, out)
+  if not (build or out):
     raise app.UsageError("give --out=DIR and/or --build_tokenizer")
 
 
 if __name__ == "__main__":
+  # Flags are defined only when run as a program, so importing this module adds none.
+  flags.DEFINE_string("out", None, "directory for a tiny random checkpoint")
+  flags.DEFINE_integer("seed", 0, "init seed")
+  flags.DEFINE_bool("build_tokenizer", False, "rebuild the shipped tokenizer")
   app.run(main)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Iterator
+
+from sim_user.jsonl import iter_jsonl
 
 DEMO_PROFILES = os.path.join(os.path.dirname(__file__), "data", "demo_profiles.jsonl")
 
@@ -92,17 +93,8 @@ def parse_profile(obj, path: str = "<profile>", line_no: int = 0) -> Profile:
 
 
 def iter_profiles(path: str) -> Iterator[Profile]:
-  if not os.path.exists(path):
-    raise ProfileError(f"{path}: no such profile file")
-  with open(path, encoding="utf-8") as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        obj = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ProfileError(f"{path}:{line_no}: invalid JSON: {e.msg} at column {e.colno}") from None
-      yield parse_profile(obj, path, line_no)
+  for line_no, obj in iter_jsonl(path, ProfileError):
+    yield parse_profile(obj, path, line_no)
 
 
 def load_profiles(path: str) -> list[Profile]:

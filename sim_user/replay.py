@@ -17,6 +17,7 @@ import json
 import sys
 
 from sim_user import dynamics, parser
+from sim_user.jsonl import iter_jsonl
 
 
 def planning_text(planning: dict) -> str:
@@ -57,17 +58,10 @@ def replay_dialogue(record: dict, rules: dynamics.EmotionRules, where: str) -> t
 
 def replay_file(path: str, rules: dynamics.EmotionRules) -> dict:
   finals, mismatched = [], 0
-  with open(path, encoding="utf-8") as f:
-    for line_no, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{line_no}: invalid JSON: {e.msg}") from None
-      final, mismatches = replay_dialogue(record, rules, f"{path}:{line_no}")
-      finals.append(final)
-      mismatched += mismatches
+  for line_no, record in iter_jsonl(path):
+    final, mismatches = replay_dialogue(record, rules, f"{path}:{line_no}")
+    finals.append(final)
+    mismatched += mismatches
   summary = dynamics.summarize(finals, failure_below=10.0)
   return {"file": path, "n": summary["n"], "score": round(summary["score"], 4),
           "success_rate": summary["success_rate"], "failure_rate": summary["failure_rate"],

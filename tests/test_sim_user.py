@@ -62,7 +62,7 @@ def test_duplicate_ids_and_missing_files_are_errors(tmp_path):
   path.write_text(good + "\n" + good + "\n")
   with pytest.raises(profiles.ProfileError, match="'x' appears twice"):
     profiles.load_profiles(str(path))
-  with pytest.raises(profiles.ProfileError, match="no such profile file"):
+  with pytest.raises(profiles.ProfileError, match="no such file"):
     profiles.load_profiles(str(tmp_path / "none.jsonl"))
 
 

@@ -1,0 +1,50 @@
+"""Config sections shared by the training and evaluation recipes."""
+
+import ml_collections
+
+
+def mesh_config() -> ml_collections.ConfigDict:
+  # Axis sizes; -1 takes the remaining devices.
+  return ml_collections.ConfigDict({"data": 1, "fsdp": -1, "tensor": 1})
+
+
+def policy_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.checkpoint = ""  # an HF Qwen2 directory
+  c.tiny_init = False  # demo only: write and use a tiny random checkpoint
+  c.dtype = "bfloat16"  # compute dtype
+  c.param_dtype = "float32"
+  c.remat = True
+  return c
+
+
+def sim_user_config(rules: str) -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.backend = "openai"  # openai | flax | scripted
+  c.base_url = ""
+  c.model = "deepseek-v3"
+  c.api_key_env = "OPENAI_API_KEY"
+  c.max_concurrency = 32
+  c.timeout_s = 120.0
+  c.http_retries = 4
+  c.temperature = 0.7
+  c.max_tokens = 1024
+  c.checkpoint = ""  # flax backend: the simulator's HF checkpoint
+  c.rules = rules  # rlver_train | sage_benchmark
+  c.variant = "vanilla"  # vanilla | challenging
+  c.language = "zh"  # the released profiles are Chinese
+  c.templates = ""  # a directory of your own templates; empty: ours
+  c.parse_retries = 2
+  c.on_failure = "end_failed"  # or "drop"
+  return c
+
+
+def inference_config() -> ml_collections.ConfigDict:
+  """The top of every evaluation config: where to write, which policy, which mesh."""
+  c = ml_collections.ConfigDict()
+  c.workdir = ""
+  c.seed = 0
+  c.mesh = mesh_config()
+  c.policy = policy_config()
+  c.policy.remat = False
+  return c

@@ -1,0 +1,31 @@
+"""Sentient Benchmark evaluation of a policy checkpoint (SAGE rules: start 40, clip +-10, 10 replies).
+
+  python -m rlver_jax.eval --config=configs/eval.py --config.policy.checkpoint=DIR \
+      --config.eval.profiles=/data/rlver/test_profile.jsonl --config.workdir=W \
+      --config.sim_user.base_url=http://localhost:8000/v1 --config.sim_user.model=deepseek-v3
+
+`:think` evaluates a thinking policy (its <think> blocks are hidden from the
+simulated user). Decoding settings are recorded in W/summary.json.
+"""
+
+import ml_collections
+
+from configs import common, ppo
+
+
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
+  if arg not in ("", "think"):
+    raise ValueError(f"unknown config variant {arg!r}; use '' or 'think'")
+  c = common.inference_config()
+  c.sim_user = common.sim_user_config(rules="sage_benchmark")
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.profiles = ""  # RLVER's test_profile.jsonl (100 profiles with first_talk)
+  c.eval.batch_size = 16  # dialogues run side by side
+  c.eval.thinking = arg == "think"
+  c.eval.system_prompt = ppo.THINK_SYSTEM_PROMPT if arg == "think" else ""
+  c.eval.max_new_tokens = 1024
+  c.eval.temperature = 0.0  # greedy: the score does not depend on a seed
+  c.eval.top_p = 1.0
+  c.eval.top_k = 0
+  return c

@@ -1,0 +1,29 @@
+"""Capability retention of a policy: math (exact answers) or instruction following.
+
+  python -m rlver_jax.retention --config=configs/retention.py --config.policy.checkpoint=DIR \
+      --config.retention.task=math --config.retention.data=math500.jsonl --config.workdir=W
+"""
+
+import ml_collections
+
+from configs import common
+
+
+def get_config() -> ml_collections.ConfigDict:
+  c = common.inference_config()
+
+  c.retention = ml_collections.ConfigDict()
+  c.retention.task = "math"  # math | ifeval
+  c.retention.data = ""  # a local JSONL file
+  c.retention.tfds_name = ""  # or a prepared TFDS dataset (no download)
+  c.retention.tfds_data_dir = ""
+  c.retention.split = "test"
+  c.retention.question_field = "question"
+  c.retention.answer_field = "answer"
+  c.retention.limit = 0  # 0: all items
+  c.retention.batch_size = 16
+  c.retention.max_new_tokens = 2048
+  c.retention.temperature = 0.0
+  c.retention.system_prompt = ""
+  c.retention.strip_thinking = True  # score thinking models on their answer only
+  return c

@@ -1,0 +1,264 @@
+"""Capability retention: exact-answer math and verifiable instruction following.
+
+  python -m rlver_jax.retention --config=configs/retention.py --config.policy.checkpoint=DIR \
+      --config.retention.task=math --config.retention.data=gsm8k_test.jsonl --config.workdir=W
+
+Tasks:
+  math    JSONL with "question" (or "problem") and "answer": GSM8K's "... #### 42" or
+          MATH500's final answer. The model is asked for \\boxed{...}; its last boxed
+          answer (else its last number) must equal the reference (numerically when
+          both are numbers, else after light LaTeX normalisation).
+  ifeval  JSONL with "prompt" and "instructions": a list of checks, e.g.
+          {"type": "max_words", "value": 50}; a response scores only if every check
+          passes (strict accuracy). Check types: see CHECKS.
+Instead of a file, `retention.tfds_name` (with `tfds_data_dir`, `split`) reads a
+prepared TensorFlow Datasets copy, e.g. gsm8k, without downloading.
+Writes W/retention_TASK.jsonl (one line per item) and W/retention_TASK_summary.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Callable
+
+from absl import logging
+from tqdm import tqdm
+
+from models import qwen2
+from models.chat import ChatFormatter
+from models.sampler import STOP, Sampler, SamplingParams
+from rlver_jax import cli, sharding
+from sim_user.jsonl import iter_jsonl
+from sim_user.thinking import strip_thinking
+
+MATH_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
+
+
+class RetentionDataError(ValueError):
+  pass
+
+
+# Math answers.
+
+def last_boxed(text: str) -> str | None:
+  """Content of the last \\boxed{...} (braces balanced), or None."""
+  start = text.rfind("\\boxed{")
+  if start < 0:
+    return None
+  depth, i = 0, start + len("\\boxed")
+  for j in range(i, len(text)):
+    if text[j] == "{":
+      depth += 1
+    elif text[j] == "}":
+      depth -= 1
+      if depth == 0:
+        return text[i + 1:j]
+  return None
+
+
+_NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_answer(text: str) -> str | None:
+  boxed = last_boxed(text)
+  if boxed is not None:
+    return boxed
+  numbers = _NUMBER_RE.findall(text)
+  return numbers[-1] if numbers else None
+
+
+def reference_answer(answer: str) -> str:
+  """GSM8K references end with '#### 42'; others are the answer itself."""
+  return answer.split("####")[-1].strip() if "####" in answer else answer.strip()
+
+
+def normalise(answer: str) -> str:
+  a = answer.strip().strip("$").strip()
+  a = re.sub(r"\\(left|right|!|,|;|:|displaystyle)", "", a)
+  a = re.sub(r"\\text\{([^}]*)\}", r"\1", a)
+  a = a.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace(" ", "")
+  return a.rstrip(".")
+
+
+def _as_number(answer: str) -> float | None:
+  a = normalise(answer).replace(",", "")
+  match = re.fullmatch(r"\\frac\{(-?[\d.]+)\}\{(-?[\d.]+)\}", a)
+  try:
+    if match:
+      return float(match.group(1)) / float(match.group(2))
+    return float(a.rstrip("%"))
+  except (ValueError, ZeroDivisionError):
+    return None
+
+
+def answers_match(predicted: str | None, reference: str) -> bool:
+  if predicted is None:
+    return False
+  p, r = _as_number(predicted), _as_number(reference)
+  if p is not None and r is not None:
+    return abs(p - r) <= 1e-6 * max(1.0, abs(r))
+  return normalise(predicted) == normalise(reference)
+
+
+# Instruction-following checks: name -> (response, check dict) -> bool.
+
+def _words(text):
+  return re.findall(r"\b\w+\b", text)
+
+
+def _paragraphs(text):
+  return [p for p in re.split(r"\n\s*\n", text.strip()) if p.strip()]
+
+
+def _is_json(text):
+  body = text.strip()
+  if body.startswith("```"):
+    body = body.strip("`").removeprefix("json").strip()
+  try:
+    json.loads(body)
+    return True
+  except json.JSONDecodeError:
+    return False
+
+
+CHECKS: dict[str, Callable[[str, dict], bool]] = {
+    "max_words": lambda r, c: len(_words(r)) <= c["value"],
+    "min_words": lambda r, c: len(_words(r)) >= c["value"],
+    "contains": lambda r, c: c["value"].lower() in r.lower(),
+    "not_contains": lambda r, c: c["value"].lower() not in r.lower(),
+    "lowercase": lambda r, c: r == r.lower(),
+    "uppercase": lambda r, c: r == r.upper(),
+    "no_commas": lambda r, c: "," not in r,
+    "starts_with": lambda r, c: r.strip().startswith(c["value"]),
+    "ends_with": lambda r, c: r.strip().endswith(c["value"]),
+    "num_bullets": lambda r, c: len(re.findall(r"^\s*[*-]\s", r, re.MULTILINE)) == c["value"],
+    "num_paragraphs": lambda r, c: len(_paragraphs(r)) == c["value"],
+    "json": lambda r, c: _is_json(r),
+    "title": lambda r, c: re.search(r"<<[^>\n]+>>", r) is not None,
+}
+
+
+def check_instructions(response: str, instructions: list[dict]) -> list[bool]:
+  return [CHECKS[i["type"]](response, i) for i in instructions]
+
+
+# Data.
+
+def read_items(path: str, task: str) -> list[dict]:
+  items = [_validate(obj, task, f"{path}:{line_no}")
+           for line_no, obj in iter_jsonl(path, RetentionDataError)]
+  if not items:
+    raise RetentionDataError(f"{path}: no items")
+  return items
+
+
+def _validate(obj, task: str, where: str) -> dict:
+  if not isinstance(obj, dict):
+    raise RetentionDataError(f"{where}: expected a JSON object")
+  if task == "math":
+    question = obj.get("question", obj.get("problem"))
+    if not isinstance(question, str) or not isinstance(obj.get("answer"), str):
+      raise RetentionDataError(f"{where}: math items need string 'question' (or 'problem') "
+                               "and 'answer'")
+    return {"question": question, "answer": obj["answer"]}
+  if task == "ifeval":
+    instructions = obj.get("instructions")
+    if not isinstance(obj.get("prompt"), str) or not isinstance(instructions, list):
+      raise RetentionDataError(f"{where}: ifeval items need 'prompt' and an 'instructions' list")
+    for k, check in enumerate(instructions):
+      if not isinstance(check, dict) or check.get("type") not in CHECKS:
+        raise RetentionDataError(f"{where}: instructions[{k}] has unknown type "
+                                 f"{check.get('type') if isinstance(check, dict) else check!r}; "
+                                 f"known: {sorted(CHECKS)}")
+    return {"prompt": obj["prompt"], "instructions": instructions}
+  raise RetentionDataError(f"unknown retention task {task!r}; expected math or ifeval")
+
+
+def read_tfds(name: str, data_dir: str, split: str, question_field: str,
+              answer_field: str) -> list[dict]:
+  """Items from a prepared TFDS copy (no download), e.g. gsm8k's question/answer."""
+  import tensorflow_datasets as tfds
+  try:
+    source = tfds.data_source(name, split=split, data_dir=data_dir, download=False)
+  except Exception as e:  # tfds raises several types for a missing or unprepared dataset
+    raise RetentionDataError(f"tfds {name}/{split} in {data_dir}: {e}") from None
+  decode = lambda v: v.decode() if isinstance(v, bytes) else str(v)
+  return [{"question": decode(r[question_field]), "answer": decode(r[answer_field])}
+          for r in source]
+
+
+def score(task: str, item: dict, response: str) -> dict:
+  if task == "math":
+    predicted = extract_answer(response)
+    reference = reference_answer(item["answer"])
+    return {"predicted": predicted, "reference": reference,
+            "correct": answers_match(predicted, reference)}
+  passed = check_instructions(response, item["instructions"])
+  return {"passed": passed, "correct": all(passed)}
+
+
+def evaluate(config) -> dict:
+  r = config.retention
+  if not config.workdir:
+    raise ValueError("no workdir: set --config.workdir=DIR")
+  if not config.policy.checkpoint:
+    raise ValueError("no policy checkpoint: set --config.policy.checkpoint=DIR")
+  if r.tfds_name:
+    items = read_tfds(r.tfds_name, r.tfds_data_dir, r.split, r.question_field, r.answer_field)
+  elif r.data:
+    items = read_items(r.data, r.task)
+  else:
+    raise ValueError("no data: set --config.retention.data=FILE.jsonl or "
+                     "--config.retention.tfds_name=NAME with --config.retention.tfds_data_dir")
+  if r.limit:
+    items = items[:r.limit]
+  os.makedirs(config.workdir, exist_ok=True)
+  mesh = sharding.make_mesh(dict(config.mesh))
+  from transformers import AutoTokenizer
+  tokenizer = AutoTokenizer.from_pretrained(config.policy.checkpoint)
+  model = qwen2.from_pretrained(config.policy.checkpoint, dtype=config.policy.dtype, mesh=mesh)
+  stops = sorted({tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+                 - {None})
+  sampler = Sampler(model, stop_token_ids=stops, pad_id=tokenizer.pad_token_id or 0, mesh=mesh)
+  formatter = ChatFormatter(tokenizer)
+  params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                          seed=config.seed)
+
+  def prompt(item):
+    text = (f"{item['question']}\n\n{MATH_INSTRUCTION}" if r.task == "math" else item["prompt"])
+    messages = [{"role": "user", "content": text}]
+    if r.system_prompt:
+      messages.insert(0, {"role": "system", "content": r.system_prompt})
+    return formatter.prompt_ids(messages)
+
+  out_path = os.path.join(config.workdir, f"retention_{r.task}.jsonl")
+  correct = 0
+  with open(out_path, "w") as out, tqdm(total=len(items), unit="item", desc=r.task) as bar:
+    for start in range(0, len(items), r.batch_size):
+      batch = items[start:start + r.batch_size]
+      result = sampler.generate([prompt(item) for item in batch], params)
+      for item, tokens, reason in zip(batch, result.tokens, result.stop_reasons):
+        body = tokens[:-1] if reason == STOP else tokens
+        response = tokenizer.decode(body, skip_special_tokens=True)
+        if r.strip_thinking:
+          response = strip_thinking(response)
+        scored = score(r.task, item, response)
+        correct += scored["correct"]
+        out.write(json.dumps({**item, "response": response, "stop_reason": reason, **scored},
+                             ensure_ascii=False) + "\n")
+      bar.update(len(batch))
+      bar.set_postfix(accuracy=f"{100.0 * correct / (start + len(batch)):.1f}%")
+  summary = {"task": r.task, "n": len(items), "correct": correct,
+             "accuracy": 100.0 * correct / len(items),
+             "settings": {"checkpoint": config.policy.checkpoint, "temperature": r.temperature,
+                          "max_new_tokens": r.max_new_tokens, "data": r.data or r.tfds_name}}
+  with open(os.path.join(config.workdir, f"retention_{r.task}_summary.json"), "w") as f:
+    json.dump(summary, f, indent=2)
+  logging.info("%s: %d/%d correct (%.1f%%)", r.task, correct, len(items), summary["accuracy"])
+  return summary
+
+
+if __name__ == "__main__":
+  cli.run("retention.py", "retention config file", evaluate)

@@ -1,0 +1,133 @@
+"""Retention scoring, the retention CLI, the memory planner and the TPU launcher."""
+
+import json
+import os
+import stat
+import subprocess
+
+import pytest
+
+from configs import retention as retention_config
+from models import qwen2
+from rlver_jax import plan, retention, tiny
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("response,reference,correct", [
+    ("so the answer is \\boxed{\\frac{1}{2}}", "\\dfrac{1}{2}", True),
+    ("\\boxed{0.5}", "\\frac{1}{2}", True),
+    ("We get 1,234 apples.", "Natalia sold 1234 clips. #### 1234", True),
+    ("\\boxed{x^{2}+1}", "x^{2} + 1", True),
+    ("\\boxed{\\text{(B)}}", "(B)", True),
+    ("The total is 18 then 20.", "#### 18", False),  # the last number counts
+    ("no idea", "3", False),
+])
+def test_math_answers(response, reference, correct):
+  predicted = retention.extract_answer(response)
+  assert retention.answers_match(predicted, retention.reference_answer(reference)) == correct
+
+
+def test_instruction_checks():
+  response = "<<My Title>>\n\n* one\n* two\n\nall lowercase here"
+  checks = [{"type": "title"}, {"type": "num_bullets", "value": 2},
+            {"type": "num_paragraphs", "value": 3}, {"type": "max_words", "value": 12},
+            {"type": "contains", "value": "lowercase"}, {"type": "no_commas"},
+            {"type": "lowercase"}]
+  assert retention.check_instructions(response, checks) == [True] * 6 + [False]
+  assert retention.check_instructions('```json\n{"a": 1}\n```', [{"type": "json"}]) == [True]
+
+
+def test_retention_data_errors_name_the_line(tmp_path):
+  path = tmp_path / "bad.jsonl"
+  path.write_text('{"prompt": "p", "instructions": [{"type": "max_words", "value": 3}]}\n'
+                  '{"prompt": "p", "instructions": [{"type": "rhyme"}]}\n')
+  with pytest.raises(retention.RetentionDataError, match=r"bad.jsonl:2: instructions\[0\] "
+                                                          "has unknown type 'rhyme'"):
+    retention.read_items(str(path), "ifeval")
+  with pytest.raises(retention.RetentionDataError, match="need string 'question'"):
+    path.write_text('{"q": 1}\n')
+    retention.read_items(str(path), "math")
+
+
+@pytest.mark.parametrize("task,lines", [
+    ("math", [{"question": "What is 2+2?", "answer": "#### 4"},
+              {"problem": "Half of 1?", "answer": "\\frac{1}{2}"}]),
+    ("ifeval", [{"prompt": "Say hi in lowercase.", "instructions": [{"type": "lowercase"}]},
+                {"prompt": "Write JSON.", "instructions": [{"type": "json"}]}]),
+])
+def test_retention_cli_end_to_end(tmp_path, task, lines):
+  tiny.write_checkpoint(str(tmp_path / "policy"), seed=4)
+  data = tmp_path / "data.jsonl"
+  data.write_text("".join(json.dumps(line) + "\n" for line in lines))
+  config = retention_config.get_config()
+  config.workdir = str(tmp_path / "w")
+  config.policy.checkpoint = str(tmp_path / "policy")
+  config.policy.dtype = "float32"
+  config.mesh = {"data": 1, "fsdp": 1, "tensor": 1}
+  config.retention.task = task
+  config.retention.data = str(data)
+  config.retention.max_new_tokens = 8
+  summary = retention.evaluate(config)
+  rows = [json.loads(l) for l in (tmp_path / "w" / f"retention_{task}.jsonl").read_text()
+          .splitlines()]
+  assert summary["n"] == len(rows) == 2
+  # The summary is the share of rows the scorer marks correct, rescored here from the responses.
+  rescored = [retention.score(task, retention._validate(line, task, "-"), row["response"])
+              for line, row in zip(lines, rows)]
+  assert summary["correct"] == sum(r["correct"] for r in rescored) == sum(
+      row["correct"] for row in rows)
+
+
+def test_plan_compiles_ppo_steps_on_eight_fake_devices():
+  config = qwen2.PRESETS["qwen2.5-0.5b"]
+  import dataclasses
+  small = dataclasses.replace(config, num_layers=2)
+  sharded = plan.plan(small, {"data": 1, "fsdp": 4, "tensor": 2}, batch=8, seq_len=128)
+  single = plan.plan(small, {"data": 1, "fsdp": 1, "tensor": 1}, batch=8, seq_len=128,
+                     critic=False)
+  policy = sharded["policy_update"]
+  assert policy["devices"] == 8 and sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+  assert policy["peak_gib"] > 0 and policy["temp_gib"] > 0 and "critic_update" in sharded
+  # Weights and Adam moments (fp32: 3 copies) dominate the arguments; sharding divides them.
+  weights = policy["unsharded_weights_gib"]
+  assert single["policy_update"]["argument_gib"] >= 3 * weights
+  assert policy["argument_gib"] < single["policy_update"]["argument_gib"] / 4
+  assert sharded["kv_cache_gib"] == pytest.approx(
+      2 * 2 * 8 * 128 * 2 * 64 * 2 / 2 ** 30 / 8)  # batch over fsdp=4, 2 kv heads over tensor=2
+
+
+def test_plan_cli_prints_a_verdict(tmp_path):
+  out = subprocess.run(
+      ["python", "-m", "rlver_jax.plan", "--model=qwen2.5-0.5b", "--layers=1",
+       "--mesh=data=1,fsdp=2,tensor=2", "--fake_devices=4", "--batch=4", "--seq_len=64",
+       "--device_memory_gib=16", f"--out={tmp_path / 'plan.json'}"],
+      cwd=ROOT, capture_output=True, text=True, timeout=300,
+      env={**os.environ, "XLA_FLAGS": ""})
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "verdict: fits in 16 GiB per device" in out.stdout
+  assert json.loads((tmp_path / "plan.json").read_text())["mesh"]["tensor"] == 2
+
+
+def test_run_tpu_sh_drives_gcloud_on_all_workers(tmp_path):
+  log = tmp_path / "gcloud.log"
+  fake = tmp_path / "gcloud"
+  fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "TPU_NAME": "rlver",
+         "ZONE": "us-central2-b", "PROJECT": "p"}
+  for args in (["create"], ["setup"], ["run", "rlver_jax.main", "--config=configs/ppo.py",
+                                       "--config.workdir=gs://b/run 1"], ["delete"]):
+    result = subprocess.run(["bash", os.path.join(ROOT, "run_tpu.sh"), *args], env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+  calls = log.read_text().splitlines()
+  assert calls[0].startswith("compute tpus tpu-vm create rlver --accelerator-type v4-32")
+  assert any("scp" in c and "--worker=all" in c for c in calls)
+  run = [c for c in calls if "python -m rlver_jax.main" in c]
+  assert run and "--worker=all" in run[0] and "run\\ 1" in run[0]
+  assert all("--zone us-central2-b --project p" in c for c in calls)
+  assert calls[-1].startswith("compute tpus tpu-vm delete rlver")
+  bad = subprocess.run(["bash", os.path.join(ROOT, "run_tpu.sh"), "launch"], env=env,
+                       capture_output=True, text=True)
+  assert bad.returncode == 2 and "usage" in bad.stderr
