@@ -27,6 +27,7 @@ def sim_user_config(rules: str) -> ml_collections.ConfigDict:
   c.max_concurrency = 32
   c.timeout_s = 120.0
   c.http_retries = 4
+  c.backoff_s = 1.0  # first retry delay; doubles each retry, capped at 30 s
   c.temperature = 0.7
   c.max_tokens = 1024
   c.checkpoint = ""  # flax backend: the simulator's HF checkpoint

@@ -20,7 +20,8 @@ def make_backend(cfg, mesh=None):
   if cfg.backend == "openai":
     return OpenAIChatBackend(cfg.base_url, cfg.model, api_key_env=cfg.api_key_env,
                              max_concurrency=cfg.max_concurrency, timeout_s=cfg.timeout_s,
-                             max_retries=cfg.http_retries, temperature=cfg.temperature,
+                             max_retries=cfg.http_retries, backoff_s=cfg.backoff_s,
+                             temperature=cfg.temperature,
                              max_tokens=cfg.max_tokens)
   if cfg.backend == "flax":
     if not cfg.checkpoint:

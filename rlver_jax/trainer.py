@@ -11,7 +11,6 @@ the reward curve to W/reward_curve.png, the final policy to W/export.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 

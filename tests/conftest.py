@@ -26,3 +26,22 @@ def pytest_collection_modifyitems(config, items):
   for item in items:
     if "slow" in item.keywords:
       item.add_marker(skip_slow)
+
+
+@pytest.fixture
+def serve():
+  """Starts FaultyServer(script) instances on 127.0.0.1; all are shut down after the test."""
+  import threading
+  from tests.fake_openai import FaultyServer
+  servers = []
+
+  def start(script):
+    server = FaultyServer(script)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    servers.append(server)
+    return server
+
+  yield start
+  for server in servers:
+    server.shutdown()
+    server.server_close()

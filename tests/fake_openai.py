@@ -6,8 +6,6 @@ import json
 import threading
 import time
 
-import pytest
-
 PLANNING_ANSWER = ("Content: comfort\nTargetCompletion: partly\nActivity: hmm\n"
                    "Analyse: fine\nChange: +5")
 REPLY_ANSWER = "Thinking: t\nOrigin: o\nChange: c\nResponse: I see. Go on."
@@ -96,21 +94,3 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     finally:
       with server.lock:
         server.in_flight -= counted
-
-
-@pytest.fixture
-def serve():
-  servers = []
-
-  def start(script):
-    server = FaultyServer(script)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    servers.append(server)
-    return server
-
-  yield start
-  for server in servers:
-    server.shutdown()
-    server.server_close()
-
-

@@ -9,7 +9,6 @@ from configs import eval as eval_config
 from rlver_jax import eval as evaluator
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, replay
-from tests.fake_openai import serve  # noqa: F401 (a fixture)
 
 SAGE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "sage")
 
@@ -48,6 +47,7 @@ def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve):
   config.sim_user.base_url = server.url
   config.sim_user.language = "en"
   config.sim_user.http_retries = 3
+  config.sim_user.backoff_s = 0.01
   config.sim_user.timeout_s = 5.0
   summary = evaluator.evaluate(config)
 

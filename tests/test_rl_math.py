@@ -150,3 +150,36 @@ def test_collate_places_masks_and_rewards_on_the_target_grid():
   np.testing.assert_allclose(batch["old_logprobs"][0, :8], [0, 0, -0.5, -0.6, 0, 0, -0.7, -0.8])
   assert batch["token_rewards"][0, 7] == 0.75 and batch["token_rewards"].sum() == 0.75
   assert batch["loss_mask"][1].sum() == 0  # filler row
+
+
+def test_a_non_finite_update_leaves_params_and_optimizer_state_untouched():
+  import jax.numpy as jnp
+  import optax
+  tx = optax.adamw(0.1)
+  params = {"w": jnp.ones(3)}
+  opt_state = tx.init(params)
+  new_params, new_opt, grad_norm, finite = train_step._apply_if_finite(
+      jnp.float32(1.0), {"w": jnp.array([1.0, jnp.nan, 0.0])}, params, opt_state, tx)
+  assert not bool(finite) and not np.isfinite(grad_norm)
+  np.testing.assert_array_equal(new_params["w"], params["w"])
+  assert int(new_opt[0].count) == 0
+  good_params, _, _, ok = train_step._apply_if_finite(
+      jnp.float32(1.0), {"w": jnp.ones(3)}, params, opt_state, tx)
+  assert bool(ok) and not np.allclose(good_params["w"], 1.0)
+
+
+def test_trainer_stops_after_too_many_skipped_updates(monkeypatch, tmp_path):
+  from rlver_jax import trainer
+  from tests.test_trainer import small_demo
+  config = small_demo(tmp_path, max_skipped_updates=1)
+  run = trainer.Trainer(config)
+  real_update = run.policy.update
+
+  def nan_update(batch):
+    metrics = real_update(batch)
+    return {**metrics, "finite": np.float32(0.0)}  # as a NaN loss reports it
+
+  monkeypatch.setattr(run.policy, "update", nan_update)
+  run.train_step()  # one skipped update is tolerated
+  with pytest.raises(trainer.TrainingError, match="2 non-finite updates skipped"):
+    run.train_step()

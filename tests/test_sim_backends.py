@@ -4,7 +4,6 @@ import http.server
 import logging
 import threading
 
-import pytest
 
 from models import qwen2
 from models.sampler import Sampler, SamplingParams
@@ -14,7 +13,7 @@ from sim_user.backends.base import BackendError, SimRequest
 from sim_user.backends.flax_llm import FlaxLLMBackend
 from sim_user.backends.openai_http import OpenAIChatBackend
 from sim_user.simulator import SimulatedUser
-from tests.fake_openai import REPLY_ANSWER, SECRET, serve  # noqa: F401 (serve: a fixture)
+from tests.fake_openai import REPLY_ANSWER, SECRET
 
 def backend_for(server, monkeypatch, **kwargs):
   monkeypatch.setenv("SIM_KEY", SECRET)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from sim_user import dynamics, parser, profiles, replay, templates
 from sim_user.backends.base import BackendError
 from sim_user.backends.scripted import ScriptedBackend, judge
-from sim_user.simulator import DROP, END_FAILED, SIMULATOR_ERROR, SimulatedUser
+from sim_user.simulator import DROP, SIMULATOR_ERROR, SimulatedUser
 from sim_user.thinking import split_thinking, strip_thinking
 
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")

@@ -1,6 +1,5 @@
 """The trainer end to end on the demo config: learning, resume after a kill, 8 devices."""
 
-import json
 import os
 import subprocess
 import sys
