@@ -19,11 +19,9 @@ import os
 from absl import logging
 from tqdm import tqdm
 
-from models import qwen2
-from models.chat import ChatFormatter
-from models.sampler import Sampler
 from rl import rollout as rollout_lib
 from rlver_jax import cli, sharding, simulator_factory
+from rlver_jax import policy as policy_lib
 from sim_user import dynamics, profiles as profiles_lib
 from sim_user.simulator import Dialogue
 
@@ -100,26 +98,20 @@ def evaluate(config) -> dict:
   sharding.maybe_initialize_distributed()
   mesh = sharding.make_mesh(dict(config.mesh))
   profiles = profiles_lib.load_profiles(config.eval.profiles)
-  from transformers import AutoTokenizer
-  tokenizer = AutoTokenizer.from_pretrained(config.policy.checkpoint)
-  model = qwen2.from_pretrained(config.policy.checkpoint, dtype=config.policy.dtype,
-                                param_dtype=config.policy.param_dtype, mesh=mesh)
-  stops = sorted({tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-                 - {None})
-  sampler = Sampler(model, stop_token_ids=stops, pad_id=tokenizer.pad_token_id or 0, mesh=mesh)
+  policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
+                                 param_dtype=config.policy.param_dtype, mesh=mesh)
   user = simulator_factory.make_simulated_user(config.sim_user, mesh)
   e = config.eval
   rollout_cfg = rollout_lib.RolloutConfig(
       samples_per_profile=1, system_prompt=e.system_prompt, thinking=e.thinking,
       max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9, temperature=e.temperature,
       top_p=e.top_p, top_k=e.top_k)
-  formatter = ChatFormatter(tokenizer)
 
   dialogues: list[Dialogue] = []
   with tqdm(total=len(profiles), unit="dialogue", desc="eval") as bar:
     for start in range(0, len(profiles), e.batch_size):
       batch = profiles[start:start + e.batch_size]
-      result = rollout_lib.collect(sampler, formatter, user, batch, rollout_cfg,
+      result = rollout_lib.collect(policy.sampler, policy.formatter, user, batch, rollout_cfg,
                                    seed=config.seed + start)
       dialogues += result.dialogues
       bar.update(len(batch))

@@ -22,9 +22,9 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
-from models import qwen2
 from models.chat import ChatFormatter
-from models.sampler import Sampler, SamplingParams
+from models.sampler import SamplingParams
+from rlver_jax import policy as policy_lib
 from rlver_jax import sharding
 
 
@@ -123,29 +123,11 @@ def _request_ids(line: str, formatter: ChatFormatter, vocab_size: int) -> list[i
   return ids
 
 
-def stop_ids(tokenizer, config, names: str) -> list[int]:
-  ids = set()
-  for name in filter(None, (n.strip() for n in names.split(","))):
-    token_id = tokenizer.convert_tokens_to_ids(name)
-    if token_id is not None and token_id != tokenizer.unk_token_id:
-      ids.add(int(token_id))
-  eos = config.eos_token_id
-  ids.update([eos] if isinstance(eos, int) else (eos or []))
-  if not ids:
-    raise ValueError(f"none of the stop tokens {names!r} is in the tokenizer")
-  return sorted(ids)
-
-
-def load(args):
-  from transformers import AutoTokenizer
+def load(args) -> policy_lib.Policy:
   axes = parse_mesh(args.mesh)
   mesh = sharding.make_mesh(axes) if axes else None
-  model = qwen2.from_pretrained(args.checkpoint, dtype=args.dtype, mesh=mesh)
-  tokenizer = AutoTokenizer.from_pretrained(args.checkpoint)
-  formatter = ChatFormatter(tokenizer)
-  sampler = Sampler(model, stop_token_ids=stop_ids(tokenizer, model.config, args.stop),
-                    pad_id=tokenizer.pad_token_id or 0, mesh=mesh)
-  return model, tokenizer, formatter, sampler
+  stops = [name.strip() for name in args.stop.split(",") if name.strip()]
+  return policy_lib.load_policy(args.checkpoint, dtype=args.dtype, mesh=mesh, stops=stops)
 
 
 def decode_reply(tokenizer, tokens: list[int], stop_reason: str) -> str:
@@ -154,18 +136,18 @@ def decode_reply(tokenizer, tokens: list[int], stop_reason: str) -> str:
 
 
 def run_batch(args) -> None:
-  model, tokenizer, formatter, sampler = load(args)
-  requests = read_requests(args.prompts, formatter, model.config.vocab_size)
+  policy = load(args)
+  requests = read_requests(args.prompts, policy.formatter, policy.model.config.vocab_size)
   params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                           top_k=args.top_k, top_p=args.top_p, seed=args.seed)
   start, new_tokens = time.perf_counter(), 0
   with open(args.output, "w") as out, tqdm(total=len(requests), unit="prompt") as bar:
     for first in range(0, len(requests), args.batch_size):
       batch = requests[first:first + args.batch_size]
-      result = sampler.generate(batch, dataclasses.replace(params, seed=args.seed + first))
+      result = policy.sampler.generate(batch, dataclasses.replace(params, seed=args.seed + first))
       for tokens, logprobs, reason in zip(result.tokens, result.logprobs, result.stop_reasons):
         out.write(json.dumps({"output_ids": tokens, "logprobs": logprobs,
-                              "text": decode_reply(tokenizer, tokens, reason),
+                              "text": decode_reply(policy.tokenizer, tokens, reason),
                               "stop_reason": reason}) + "\n")
       new_tokens += sum(result.lengths)
       bar.update(len(batch))
@@ -176,7 +158,8 @@ def run_batch(args) -> None:
 
 def run_chat(args, stdin=sys.stdin, stdout=sys.stdout) -> None:
   """A terminal conversation; the dialogue's cache is reused from turn to turn."""
-  _, tokenizer, formatter, sampler = load(args)
+  policy = load(args)
+  formatter, sampler = policy.formatter, policy.sampler
   messages = [{"role": "system", "content": args.system}] if args.system else []
   convs, reply_ended, turn = None, True, 0
   stdout.write("Chat with the checkpoint; an empty line or EOF ends it.\n")
@@ -196,7 +179,7 @@ def run_chat(args, stdin=sys.stdin, stdout=sys.stdout) -> None:
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed + turn)
     result = sampler.extend(convs, [ids], params)
     tokens, reason = result.tokens[0], result.stop_reasons[0]
-    reply = decode_reply(tokenizer, tokens, reason)
+    reply = decode_reply(policy.tokenizer, tokens, reason)
     messages += [user, {"role": "assistant", "content": reply}]
     reply_ended, turn = reason == "stop", turn + 1
     stdout.write(f"model> {reply}\n")

@@ -26,10 +26,9 @@ from typing import Callable
 from absl import logging
 from tqdm import tqdm
 
-from models import qwen2
-from models.chat import ChatFormatter
-from models.sampler import STOP, Sampler, SamplingParams
+from models.sampler import STOP, SamplingParams
 from rlver_jax import cli, sharding
+from rlver_jax import policy as policy_lib
 from sim_user.jsonl import iter_jsonl
 from sim_user.thinking import strip_thinking
 
@@ -216,13 +215,7 @@ def evaluate(config) -> dict:
     items = items[:r.limit]
   os.makedirs(config.workdir, exist_ok=True)
   mesh = sharding.make_mesh(dict(config.mesh))
-  from transformers import AutoTokenizer
-  tokenizer = AutoTokenizer.from_pretrained(config.policy.checkpoint)
-  model = qwen2.from_pretrained(config.policy.checkpoint, dtype=config.policy.dtype, mesh=mesh)
-  stops = sorted({tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-                 - {None})
-  sampler = Sampler(model, stop_token_ids=stops, pad_id=tokenizer.pad_token_id or 0, mesh=mesh)
-  formatter = ChatFormatter(tokenizer)
+  policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype, mesh=mesh)
   params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                           seed=config.seed)
 
@@ -231,17 +224,17 @@ def evaluate(config) -> dict:
     messages = [{"role": "user", "content": text}]
     if r.system_prompt:
       messages.insert(0, {"role": "system", "content": r.system_prompt})
-    return formatter.prompt_ids(messages)
+    return policy.formatter.prompt_ids(messages)
 
   out_path = os.path.join(config.workdir, f"retention_{r.task}.jsonl")
   correct = 0
   with open(out_path, "w") as out, tqdm(total=len(items), unit="item", desc=r.task) as bar:
     for start in range(0, len(items), r.batch_size):
       batch = items[start:start + r.batch_size]
-      result = sampler.generate([prompt(item) for item in batch], params)
+      result = policy.sampler.generate([prompt(item) for item in batch], params)
       for item, tokens, reason in zip(batch, result.tokens, result.stop_reasons):
         body = tokens[:-1] if reason == STOP else tokens
-        response = tokenizer.decode(body, skip_special_tokens=True)
+        response = policy.tokenizer.decode(body, skip_special_tokens=True)
         if r.strip_thinking:
           response = strip_thinking(response)
         scored = score(r.task, item, response)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from models import qwen2
-from models.sampler import Sampler, SamplingParams
+from models.sampler import SamplingParams
+from rlver_jax import policy as policy_lib
 from sim_user import dynamics
 from sim_user.backends.flax_llm import FlaxLLMBackend
 from sim_user.backends.openai_http import OpenAIChatBackend
@@ -27,14 +27,9 @@ def make_backend(cfg, mesh=None):
     if not cfg.checkpoint:
       raise ValueError("sim_user.backend=flax needs --config.sim_user.checkpoint=DIR "
                        "(an HF Qwen2 checkpoint for the simulator)")
-    from transformers import AutoTokenizer
-    tokenizer = AutoTokenizer.from_pretrained(cfg.checkpoint)
-    model = qwen2.from_pretrained(cfg.checkpoint, dtype="bfloat16" if mesh is not None else
-                                  "float32", mesh=mesh)
-    stops = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
-    sampler = Sampler(model, stop_token_ids=[s for s in stops if s is not None],
-                      pad_id=tokenizer.pad_token_id or 0, mesh=mesh)
-    return FlaxLLMBackend(sampler, tokenizer, SamplingParams(
+    simulator = policy_lib.load_policy(cfg.checkpoint,
+                                       dtype="float32" if mesh is None else "bfloat16", mesh=mesh)
+    return FlaxLLMBackend(simulator.sampler, simulator.tokenizer, SamplingParams(
         max_new_tokens=cfg.max_tokens, temperature=cfg.temperature))
   raise ValueError(f"sim_user.backend={cfg.backend!r}; expected one of {BACKENDS}")
 

@@ -27,6 +27,7 @@ from rl import losses
 from rl import rollout as rollout_lib
 from rl import train_step
 from rlver_jax import metrics as metrics_lib
+from rlver_jax import policy as policy_lib
 from rlver_jax import sharding, simulator_factory, tiny
 from sim_user import profiles as profiles_lib
 
@@ -147,9 +148,8 @@ class Trainer:
     if config.rl.kl_coef:
       reference = qwen2.from_pretrained(policy_path, **{**load, "remat": False})
       self.reference = train_step.Learner(reference, mesh=self.mesh)
-    stops = {self.tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
-    stops.discard(None)
-    self.sampler = Sampler(policy, stop_token_ids=sorted(stops),
+    self.sampler = Sampler(policy, stop_token_ids=policy_lib.stop_token_ids(
+                               self.tokenizer, eos_token_id=policy.config.eos_token_id),
                            pad_id=self.tokenizer.pad_token_id or 0, mesh=self.mesh)
     self.user = simulator_factory.make_simulated_user(config.sim_user, self.mesh)
     self.batch_multiple = self.sampler.data_parallel_size() * (
