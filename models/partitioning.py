@@ -9,6 +9,7 @@ used twice in one spec.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Iterable, Mapping, Sequence
 
 import jax
@@ -87,3 +88,22 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None):
     return variable.replace(named_sharding(axes, shape, mesh, rules))
 
   return jax.tree.map(leaf_sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def mesh_context(mesh: Mesh | None):
+  """Context under which `constrain` applies: trace and run jitted code inside it."""
+  return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def constrain(x, logical_axes, rules: Rules | None = None):
+  """Pins an activation's sharding by logical axes when traced under `mesh_context`.
+
+  Without a mesh it is the identity, so model code calls it unconditionally.
+  Weights and activations share mesh axes (embed and batch both use fsdp);
+  without these pins the partitioner may gather the batch instead of the
+  weights, replicating vocabulary-sized activations on every device.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh, rules))

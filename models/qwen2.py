@@ -34,6 +34,7 @@ from flax import nnx
 from flax import struct
 
 from models import checkpoint_io
+from models.partitioning import constrain
 
 Array = jax.Array
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -192,6 +193,12 @@ class KVCache:
 
 # Logical axes of the cache arrays, for placing them on a mesh.
 KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+# ... and of activations (see partitioning.constrain).
+_RESIDUAL_AXES = ("batch", "seq", None)
+_HEADS_AXES = {"q": ("batch", "seq", "q_heads", "head_dim"),
+               "kv": ("batch", "seq", "kv_heads", "head_dim")}
+_MLP_AXES = ("batch", "seq", "mlp")
+_LOGITS_AXES = ("batch", "seq", "vocab")
 
 
 def _param(rngs: nnx.Rngs, shape, axes, param_dtype, std: float | None):
@@ -253,8 +260,9 @@ class Attention(nnx.Module):
     k_btkh = k_btkh + self.k_bias[...].astype(dtype)
     v_btkh = jnp.einsum("btd,dkh->btkh", x_btd, self.v_proj[...].astype(dtype))
     v_btkh = v_btkh + self.v_bias[...].astype(dtype)
-    q_btnh = rope(q_btnh, positions_bt, self.theta)
-    k_btkh = rope(k_btkh, positions_bt, self.theta)
+    q_btnh = constrain(rope(q_btnh, positions_bt, self.theta), _HEADS_AXES["q"])
+    k_btkh = constrain(rope(k_btkh, positions_bt, self.theta), _HEADS_AXES["kv"])
+    v_btkh = constrain(v_btkh, _HEADS_AXES["kv"])
 
     if k_cache_bskh is None:
       k_bskh, v_bskh = k_btkh, v_btkh
@@ -287,8 +295,10 @@ class MLP(nnx.Module):
 
   def __call__(self, x_btd):
     dtype = x_btd.dtype
-    gate_btf = jnp.einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dtype))
-    up_btf = jnp.einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dtype))
+    gate_btf = constrain(jnp.einsum("btd,df->btf", x_btd, self.gate_proj[...].astype(dtype)),
+                         _MLP_AXES)
+    up_btf = constrain(jnp.einsum("btd,df->btf", x_btd, self.up_proj[...].astype(dtype)),
+                       _MLP_AXES)
     return jnp.einsum("btf,fd->btd", jax.nn.silu(gate_btf) * up_btf,
                       self.down_proj[...].astype(dtype))
 
@@ -359,13 +369,14 @@ class Qwen2Backbone(nnx.Module):
     kv_positions_b1s = kv_positions_bs[:, None, :]
     mask_bts = (kv_positions_b1s >= 0) & (kv_positions_b1s <= positions_bt[:, :, None])
 
-    x_btd = self.embed[...][input_ids_bt].astype(self.dtype)
+    x_btd = constrain(self.embed[...][input_ids_bt].astype(self.dtype), _RESIDUAL_AXES)
     forward = _remat_layer_forward if self.remat else _layer_forward
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       k_cache = None if cache is None else cache.k[i]
       v_cache = None if cache is None else cache.v[i]
       x_btd, k, v = forward(layer, x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index)
+      x_btd = constrain(x_btd, _RESIDUAL_AXES)
       new_k.append(k)
       new_v.append(v)
     x_btd = self.final_norm(x_btd)
@@ -400,8 +411,10 @@ class Qwen2(nnx.Module):
 
   def logits(self, hidden_btd) -> Array:
     """float32 logits of hidden states (fp32 accumulation also in bf16)."""
-    return jnp.einsum("btd,vd->btv", hidden_btd, self.unembedding().astype(hidden_btd.dtype),
-                      preferred_element_type=jnp.float32)
+    logits_btv = jnp.einsum("btd,vd->btv", hidden_btd,
+                            self.unembedding().astype(hidden_btd.dtype),
+                            preferred_element_type=jnp.float32)
+    return constrain(logits_btv, _LOGITS_AXES)
 
   def __call__(self, input_ids_bt, *, positions=None, attention_mask=None, cache=None):
     hidden_btd, new_cache = self.backbone(input_ids_bt, positions=positions,

@@ -240,15 +240,15 @@ class Sampler:
       mask_bt[row, chunk - len(tokens):] = True
     done_b = np.arange(batch) >= convs.num_rows
 
-    logits_bv, convs.cache = self._prefill(
-        self.state, convs.cache, self._put(tokens_bt, ("batch", None)),
-        self._put(mask_bt, ("batch", None)))
-    greedy = params.temperature == 0
-    out_tokens, out_logprobs, lengths, stopped, convs.cache = self._decode(
-        self.state, convs.cache, logits_bv, self._put(done_b, ("batch",)),
-        jax.random.key(params.seed), jnp.float32(params.temperature or 1.0),
-        jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens, greedy=greedy,
-        top_k=params.top_k, use_top_p=params.top_p < 1.0)
+    with partitioning.mesh_context(self.mesh):
+      logits_bv, convs.cache = self._prefill(
+          self.state, convs.cache, self._put(tokens_bt, ("batch", None)),
+          self._put(mask_bt, ("batch", None)))
+      out_tokens, out_logprobs, lengths, stopped, convs.cache = self._decode(
+          self.state, convs.cache, logits_bv, self._put(done_b, ("batch",)),
+          jax.random.key(params.seed), jnp.float32(params.temperature or 1.0),
+          jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens,
+          greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
 
     out_tokens, out_logprobs, lengths, stopped = jax.device_get(
         (out_tokens, out_logprobs, lengths, stopped))

@@ -242,8 +242,9 @@ class Learner:
     return placed
 
   def update(self, batch: dict) -> dict:
-    self.params, self.opt_state, metrics = self._update(self.params, self.opt_state,
-                                                        self.shard_batch(batch))
+    with partitioning.mesh_context(self.mesh):
+      self.params, self.opt_state, metrics = self._update(self.params, self.opt_state,
+                                                          self.shard_batch(batch))
     return metrics
 
   def apply(self, fn, batch: dict, **static):
@@ -251,7 +252,8 @@ class Learner:
     key = (fn, tuple(sorted(static.items())))
     if key not in self._forward:
       self._forward[key] = jax.jit(functools.partial(fn, self.graphdef, **static))
-    return self._forward[key](self.params, self.shard_batch(batch))
+    with partitioning.mesh_context(self.mesh):
+      return self._forward[key](self.params, self.shard_batch(batch))
 
   def model(self) -> nnx.Module:
     return nnx.merge(self.graphdef, self.params)

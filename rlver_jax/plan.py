@@ -89,8 +89,9 @@ def _compile_update(model_cls, config, update_fn, mesh, batch, seq_len, dtype, p
   abstract_opt = jax.eval_shape(tx.init, params)
   opt = _abstract(abstract_opt, _opt_shardings(tx, abstract_opt, param_shardings, mesh))
   step = jax.jit(functools.partial(update_fn, graphdef, tx, loss_cfg), donate_argnums=(0, 1))
-  compiled = step.lower(params, opt, _batch(mesh, batch, seq_len, model_cls is qwen2.Qwen2Value)
-                        ).compile()
+  with partitioning.mesh_context(mesh):
+    compiled = step.lower(params, opt, _batch(mesh, batch, seq_len,
+                                              model_cls is qwen2.Qwen2Value)).compile()
   stats = compiled.memory_analysis()
   n_params = sum(x.size for x in jax.tree.leaves(state))
   devices = mesh.devices.size

@@ -97,7 +97,14 @@ def jit_batched_apply(model: nnx.Module, mesh: Mesh, batch_shapes, rules=None):
   def apply(state, *batch):
     return nnx.merge(graphdef, state)(*batch)
 
-  out_shape = jax.eval_shape(apply, state, *(jax.ShapeDtypeStruct(s, "int32") for s in batch_shapes))
+  with partitioning.mesh_context(mesh):  # activation constraints apply while tracing
+    out_shape = jax.eval_shape(apply, state,
+                               *(jax.ShapeDtypeStruct(s, "int32") for s in batch_shapes))
   jitted = jax.jit(apply, in_shardings=(state_shardings,) + batch_shardings,
                    out_shardings=batch_sharding(mesh, out_shape.shape, rules))
-  return jitted, jax.device_put(state, state_shardings)
+
+  def call(state, *batch):
+    with partitioning.mesh_context(mesh):
+      return jitted(state, *batch)
+
+  return call, jax.device_put(state, state_shardings)

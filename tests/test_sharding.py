@@ -93,3 +93,12 @@ def test_distributed_is_not_initialised_on_one_host(monkeypatch):
   for name in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS"):
     monkeypatch.delenv(name, raising=False)
   assert sharding.maybe_initialize_distributed() is False
+
+
+def test_activation_constraints_apply_only_under_a_mesh_context():
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  double = jax.jit(lambda x: partitioning.constrain(x * 2, ("batch", None, "vocab")))
+  x = jnp.ones((4, 3, 8))
+  with partitioning.mesh_context(mesh):
+    assert double(x).sharding.spec == P(("data", "fsdp"), None, "tensor")
+  assert double(x).sharding.is_fully_replicated  # no mesh: the identity
