@@ -140,9 +140,37 @@ def compute_advantages(batch: dict, cfg: LossConfig) -> dict:
 
 # Forward passes.
 
-def policy_logits(graphdef, params, batch):
+LOGITS_CHUNK = 512  # target tokens per slice of the unembedding
+
+
+def token_logprobs_and_entropy(graphdef, params, batch, temperature: float,
+                               chunk: int = LOGITS_CHUNK):
+  """log softmax(logits / T) of every target token and the entropy there, [B, T - 1] each.
+
+  Full logits ([B, T, V], 152k wide for Qwen2.5) are never held: the
+  unembedding, softmax and their gradients run over `chunk`-token slices and
+  are recomputed in the backward pass, so memory grows with chunk x V, not T x V.
+  """
   model = nnx.merge(graphdef, params)
-  return model(batch["input_ids"], attention_mask=batch["attention_mask"])[:, :-1]
+  hidden_btd, _ = model.backbone(batch["input_ids"], attention_mask=batch["attention_mask"])
+  b, t, d = hidden_btd.shape
+  targets_bt = jnp.pad(batch["input_ids"][:, 1:], ((0, 0), (0, 1)))  # the last has no target
+  chunk = min(chunk, t)
+  pad = -t % chunk
+  n = (t + pad) // chunk
+  hidden_nbcd = jnp.pad(hidden_btd, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, d)
+  targets_nbc = jnp.pad(targets_bt, ((0, 0), (0, pad))).reshape(b, n, chunk)
+
+  @jax.checkpoint
+  def one_slice(hidden_bcd, targets_bc):
+    logits_bcv = model.logits(hidden_bcd).astype(jnp.float32) / temperature
+    return (losses.token_logprobs(logits_bcv, targets_bc),
+            losses.entropy_from_logits(logits_bcv))
+
+  logprobs_nbc, entropy_nbc = jax.lax.map(
+      lambda xs: one_slice(*xs), (hidden_nbcd.swapaxes(0, 1), targets_nbc.swapaxes(0, 1)))
+  unslice = lambda x_nbc: x_nbc.swapaxes(0, 1).reshape(b, t + pad)[:, :t - 1]
+  return unslice(logprobs_nbc), unslice(entropy_nbc)
 
 
 def critic_values(graphdef, params, batch):
@@ -151,8 +179,7 @@ def critic_values(graphdef, params, batch):
 
 
 def sequence_logprobs(graphdef, params, batch, temperature: float):
-  logits = policy_logits(graphdef, params, batch)
-  return losses.token_logprobs(logits, batch["input_ids"][:, 1:], temperature)
+  return token_logprobs_and_entropy(graphdef, params, batch, temperature)[0]
 
 
 # Updates.
@@ -171,12 +198,11 @@ def policy_update(graphdef, tx, cfg: LossConfig, params, opt_state, batch):
   mask = batch["loss_mask"]
 
   def loss_fn(params):
-    logits = policy_logits(graphdef, params, batch).astype(jnp.float32) / cfg.temperature
-    logprobs = losses.token_logprobs(logits, batch["input_ids"][:, 1:])
+    logprobs, entropy_bt = token_logprobs_and_entropy(graphdef, params, batch, cfg.temperature)
     pg_loss, metrics = losses.policy_loss(
         logprobs, batch["old_logprobs"], batch["advantages"], mask, clip_ratio=cfg.clip_ratio,
         clip_ratio_high=cfg.clip_ratio_high, dual_clip=cfg.dual_clip, agg=cfg.loss_agg)
-    entropy = losses.aggregate(losses.entropy_from_logits(logits), mask, cfg.loss_agg)
+    entropy = losses.aggregate(entropy_bt, mask, cfg.loss_agg)
     loss = pg_loss - cfg.entropy_coef * entropy
     kl = jnp.zeros(())
     if cfg.kl_coef:

@@ -183,3 +183,37 @@ def test_trainer_stops_after_too_many_skipped_updates(monkeypatch, tmp_path):
   run.train_step()  # one skipped update is tolerated
   with pytest.raises(trainer.TrainingError, match="2 non-finite updates skipped"):
     run.train_step()
+
+
+@pytest.mark.parametrize("chunk", [4, 7, 64])
+def test_sliced_logprobs_and_entropy_equal_the_full_softmax(chunk):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from models import qwen2
+  config = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=1,
+                             num_heads=4, num_kv_heads=2)
+  model = qwen2.init_random(config, seed=0)
+  rng = np.random.RandomState(5)
+  batch = {"input_ids": jnp.asarray(rng.randint(0, 50, (3, 13)), jnp.int32),
+           "attention_mask": jnp.ones((3, 13), bool)}
+  graphdef, params = nnx.split(model)
+  logprobs, entropy = train_step.token_logprobs_and_entropy(graphdef, params, batch, 0.7, chunk)
+  logits = np.asarray(model(batch["input_ids"]))[:, :-1] / 0.7
+  full = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+  targets = np.asarray(batch["input_ids"])[:, 1:, None]
+  np.testing.assert_allclose(logprobs, np.take_along_axis(full, targets, -1)[..., 0], atol=1e-5)
+  np.testing.assert_allclose(entropy, -(np.exp(full) * full).sum(-1), atol=1e-4)
+
+  def loss(params, sliced):
+    if sliced:
+      lp, _ = train_step.token_logprobs_and_entropy(graphdef, params, batch, 0.7, chunk)
+    else:
+      out = nnx.merge(graphdef, params)(batch["input_ids"])[:, :-1] / 0.7
+      lp = losses.token_logprobs(out, batch["input_ids"][:, 1:])
+    return lp.sum()
+
+  g_sliced = jax.grad(loss)(params, True)
+  g_full = jax.grad(loss)(params, False)
+  for a, b in zip(jax.tree.leaves(g_sliced), jax.tree.leaves(g_full)):
+    np.testing.assert_allclose(a, b, atol=1e-4)
