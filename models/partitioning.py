@@ -77,6 +77,11 @@ def named_sharding(logical_axes, shape, mesh: Mesh, rules: Rules | None = None) 
   return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
 
 
+def batch_sharding(shape, mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
+  """Shards the leading (batch) axis over the data axes, replicates the rest."""
+  return named_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh, rules)
+
+
 def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None):
   """`state` with each variable's value replaced by its NamedSharding."""
 

@@ -86,8 +86,9 @@ class Conversations:
     return self.cache.max_len
 
 
-def _next_pow2(n: int, minimum: int = 1) -> int:
-  return max(minimum, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+def bucket_size(n: int, minimum: int = 1) -> int:
+  """The power of two >= n (and >= minimum) that shapes of size n are padded to."""
+  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
 def sample_logits(logits_bv, key, temperature, top_p, *, greedy: bool, top_k: int,
@@ -163,6 +164,9 @@ class Sampler:
     axes = partitioning.mesh_axes("batch", self.mesh, self.rules)
     return math.prod(self.mesh.shape[a] for a in axes)
 
+  def _batch_bucket(self, num_rows: int) -> int:
+    return math.lcm(bucket_size(num_rows), self.data_parallel_size())
+
   def _sharding(self, logical_axes, shape):
     if self.mesh is None:
       return None
@@ -188,14 +192,13 @@ class Sampler:
 
   def start(self, num_rows: int, capacity: int = 0) -> Conversations:
     """An empty batch of `num_rows` dialogues (capacity grows on demand)."""
-    batch = _next_pow2(num_rows)
-    batch = math.lcm(batch, self.data_parallel_size())
-    slots = _next_pow2(capacity, self.min_cache_bucket)
+    batch = self._batch_bucket(num_rows)
+    slots = bucket_size(capacity, self.min_cache_bucket)
     cache = KVCache.init(self.config, batch, slots, self.cache_dtype)
     return Conversations(cache=self._place_cache(cache), num_rows=num_rows)
 
   def _grow(self, convs: Conversations, needed_slots: int) -> None:
-    slots = _next_pow2(needed_slots, self.min_cache_bucket)
+    slots = bucket_size(needed_slots, self.min_cache_bucket)
     extra = slots - convs.capacity
     cache = convs.cache
     pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
@@ -211,7 +214,7 @@ class Sampler:
       raise ValueError("select needs at least one row")
     if any(not 0 <= r < convs.num_rows for r in rows):
       raise IndexError(f"rows {rows} out of range for {convs.num_rows} dialogues")
-    batch = math.lcm(_next_pow2(len(rows)), self.data_parallel_size())
+    batch = self._batch_bucket(len(rows))
     index = jnp.asarray(rows + [rows[0]] * (batch - len(rows)), jnp.int32)
     cache = convs.cache
     cache = KVCache(k=tuple(x[index] for x in cache.k), v=tuple(x[index] for x in cache.v),
@@ -227,7 +230,7 @@ class Sampler:
     for row, tokens in enumerate(new_tokens):
       if not tokens:
         raise ValueError(f"row {row}: no new tokens; every row needs at least one")
-    chunk = _next_pow2(max(len(t) for t in new_tokens), self.min_chunk_bucket)
+    chunk = bucket_size(max(len(t) for t in new_tokens), self.min_chunk_bucket)
     needed = int(convs.cache.length) + chunk + params.max_new_tokens
     if needed > convs.capacity:
       self._grow(convs, needed)
@@ -263,7 +266,7 @@ class Sampler:
     if not prompts:
       return SampleOutput([], [], [])
     longest = max(len(p) for p in prompts)
-    convs = self.start(len(prompts), _next_pow2(longest, self.min_chunk_bucket)
+    convs = self.start(len(prompts), bucket_size(longest, self.min_chunk_bucket)
                        + params.max_new_tokens)
     return self.extend(convs, prompts, params)
 

@@ -23,6 +23,7 @@ import optax
 from flax import nnx
 
 from models import partitioning
+from models.sampler import bucket_size
 from rl import advantages as adv_lib
 from rl import losses
 from rl.rollout import Sample
@@ -77,17 +78,13 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
 
 # Batches.
 
-def _bucket(n: int, minimum: int = 32) -> int:
-  return max(minimum, 1 << (max(n, 1) - 1).bit_length())
-
-
 def collate(samples: Sequence[Sample], batch_multiple: int = 1, pad_id: int = 0) -> dict:
   """Right-padded numpy arrays; length bucketed to a power of two, rows to `batch_multiple`.
 
   Filler rows have an all-zero mask, so they add nothing to any loss.
   """
   rows = -(-len(samples) // batch_multiple) * batch_multiple
-  width = _bucket(max(len(s.tokens) for s in samples))
+  width = bucket_size(max(len(s.tokens) for s in samples), minimum=32)
   input_ids = np.full((rows, width), pad_id, np.int32)
   attention = np.zeros((rows, width), np.bool_)
   loss_mask = np.zeros((rows, width - 1), np.float32)
@@ -245,12 +242,10 @@ class Learner:
                update_fn=None, cfg: LossConfig | None = None, mesh=None, rules=None):
     """Without `tx` the model is frozen (a reference policy): `apply` only."""
     self.graphdef, params = nnx.split(model)
-    self.tx = tx
     self.mesh = mesh
     self.rules = rules
     if mesh is not None:
-      self.param_shardings = partitioning.state_shardings(params, mesh, rules)
-      params = jax.device_put(params, self.param_shardings)
+      params = jax.device_put(params, partitioning.state_shardings(params, mesh, rules))
     self.params = params
     self.opt_state = None if tx is None else jax.jit(tx.init)(params)
     self._update = None if tx is None else jax.jit(
@@ -260,12 +255,8 @@ class Learner:
   def shard_batch(self, batch: dict) -> dict:
     if self.mesh is None:
       return {k: jnp.asarray(v) for k, v in batch.items()}
-    placed = {}
-    for k, v in batch.items():
-      logical = ("batch",) + (None,) * (np.ndim(v) - 1)
-      placed[k] = jax.device_put(v, partitioning.named_sharding(logical, np.shape(v), self.mesh,
-                                                                self.rules))
-    return placed
+    return {k: jax.device_put(v, partitioning.batch_sharding(np.shape(v), self.mesh, self.rules))
+            for k, v in batch.items()}
 
   def update(self, batch: dict) -> dict:
     with partitioning.mesh_context(self.mesh):

@@ -13,6 +13,7 @@ the emotion trajectories and the final-score histogram.
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 
@@ -42,9 +43,7 @@ def summarize(dialogues: list[Dialogue], settings: dict) -> dict:
     for d in scored:
       groups.setdefault(str(getattr(d.profile, field)), []).append(d.emotion)
     summary[key] = {name: dynamics.summarize(values) for name, values in sorted(groups.items())}
-  summary["end_reasons"] = {}
-  for d in scored:
-    summary["end_reasons"][d.end_reason] = summary["end_reasons"].get(d.end_reason, 0) + 1
+  summary["end_reasons"] = dict(collections.Counter(d.end_reason for d in scored))
   summary["mean_agent_turns"] = (sum(d.agent_turns for d in scored) / len(scored)) if scored else 0
   summary["failed"] = [{"id": d.profile.id, "reason": d.failure} for d in dialogues if d.failure]
   summary["n_failed"] = len(summary["failed"])

@@ -65,8 +65,7 @@ def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
 
 def _batch(mesh, batch: int, seq_len: int, with_values: bool):
   def spec(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=partitioning.named_sharding(
-        ("batch",) + (None,) * (len(shape) - 1), shape, mesh))
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=partitioning.batch_sharding(shape, mesh))
 
   targets = (batch, seq_len - 1)
   out = {"input_ids": spec((batch, seq_len), jnp.int32),

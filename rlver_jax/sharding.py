@@ -14,7 +14,7 @@ from typing import Mapping
 import jax
 from absl import logging
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh
 
 from models import partitioning
 
@@ -70,12 +70,6 @@ def make_mesh(axes: Mapping[str, int] | None = None, devices=None) -> Mesh:
                        axis_types=(AxisType.Auto,) * len(sizes))
 
 
-def batch_sharding(mesh: Mesh, shape, rules=None) -> NamedSharding:
-  """Shards the leading (batch) axis over the data axes, replicates the rest."""
-  logical = ("batch",) + (None,) * (len(shape) - 1)
-  return partitioning.named_sharding(logical, shape, mesh, rules)
-
-
 def shard_model(model: nnx.Module, mesh: Mesh, rules=None) -> nnx.Module:
   """Moves every weight of `model` into the sharding its logical axes ask for."""
   graphdef, state = nnx.split(model)
@@ -92,7 +86,8 @@ def jit_batched_apply(model: nnx.Module, mesh: Mesh, batch_shapes, rules=None):
   """
   graphdef, state = nnx.split(model)
   state_shardings = partitioning.state_shardings(state, mesh, rules)
-  batch_shardings = tuple(batch_sharding(mesh, shape, rules) for shape in batch_shapes)
+  batch_shardings = tuple(partitioning.batch_sharding(shape, mesh, rules)
+                          for shape in batch_shapes)
 
   def apply(state, *batch):
     return nnx.merge(graphdef, state)(*batch)
@@ -101,7 +96,7 @@ def jit_batched_apply(model: nnx.Module, mesh: Mesh, batch_shapes, rules=None):
     out_shape = jax.eval_shape(apply, state,
                                *(jax.ShapeDtypeStruct(s, "int32") for s in batch_shapes))
   jitted = jax.jit(apply, in_shardings=(state_shardings,) + batch_shardings,
-                   out_shardings=batch_sharding(mesh, out_shape.shape, rules))
+                   out_shardings=partitioning.batch_sharding(out_shape.shape, mesh, rules))
 
   def call(state, *batch):
     with partitioning.mesh_context(mesh):
