@@ -370,7 +370,8 @@ class Qwen2Backbone(nnx.Module):
     mask_bts = (kv_positions_b1s >= 0) & (kv_positions_b1s <= positions_bt[:, :, None])
 
     x_btd = constrain(self.embed[...][input_ids_bt].astype(self.dtype), _RESIDUAL_AXES)
-    forward = _remat_layer_forward if self.remat else _layer_forward
+    # Remat saves activation memory for gradients; cached (sampling) passes take none.
+    forward = _remat_layer_forward if self.remat and cache is None else _layer_forward
     new_k, new_v = [], []
     for i, layer in enumerate(self.layers):
       k_cache = None if cache is None else cache.k[i]

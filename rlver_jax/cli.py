@@ -9,6 +9,8 @@ from typing import Callable
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from models.errors import UserInputError
+
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
@@ -35,7 +37,10 @@ def run(default_file: str, help_text: str, fn: Callable) -> None:
     logging.get_absl_handler().addFilter(_QuietLibraries())
     config = config_flag.value
     logging.info("config:\n%s", config)
-    fn(config)
+    try:
+      fn(config)
+    except UserInputError as e:  # the user's mistake: one line; our bugs keep their traceback
+      raise SystemExit(f"error: {e}") from None
 
   flags.FLAGS.alsologtostderr = True
   app.run(main)

@@ -180,3 +180,14 @@ def test_sampling_params_are_validated():
     SamplingParams(top_p=0.0)
   with pytest.raises(ValueError, match="max_new_tokens"):
     SamplingParams(max_new_tokens=0)
+
+
+def test_sampler_runs_a_rematerialised_model(checkpoint):
+  """The recipes train with remat on; the sampler must run the same model object."""
+  path, _, model = checkpoint
+  remat_model = qwen2.from_pretrained(path, remat=True)
+  plain = Sampler(model, stop_token_ids=[1]).generate(PROMPTS, GREEDY)
+  remat = Sampler(remat_model, stop_token_ids=[1]).generate(PROMPTS, GREEDY)
+  assert remat.tokens == plain.tokens
+  np.testing.assert_allclose(np.concatenate(remat.logprobs), np.concatenate(plain.logprobs),
+                             atol=1e-5)

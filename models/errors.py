@@ -1,0 +1,8 @@
+"""The error type for a user's mistake (a config field, a flag, an input file)."""
+
+
+class UserInputError(ValueError):
+  """A mistake in the user's input, not a bug: the CLIs report it as one line, no traceback.
+
+  The message names the file, line or field at fault and what would be accepted.
+  """
