@@ -30,6 +30,7 @@ def sim_user_config(rules: str) -> ml_collections.ConfigDict:
   c.backoff_s = 1.0  # first retry delay; doubles each retry, capped at 30 s
   c.temperature = 0.7
   c.max_tokens = 1024
+  c.max_reply_chars = 20000  # openai: a longer reply is a fault (retried, then a failed dialogue)
   c.checkpoint = ""  # flax backend: the simulator's HF checkpoint
   c.rules = rules  # rlver_train | sage_benchmark
   c.variant = "vanilla"  # vanilla | challenging

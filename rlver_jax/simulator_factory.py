@@ -21,8 +21,8 @@ def make_backend(cfg, mesh=None):
     return OpenAIChatBackend(cfg.base_url, cfg.model, api_key_env=cfg.api_key_env,
                              max_concurrency=cfg.max_concurrency, timeout_s=cfg.timeout_s,
                              max_retries=cfg.http_retries, backoff_s=cfg.backoff_s,
-                             temperature=cfg.temperature,
-                             max_tokens=cfg.max_tokens)
+                             temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                             max_reply_chars=cfg.max_reply_chars)
   if cfg.backend == "flax":
     if not cfg.checkpoint:
       raise ValueError("sim_user.backend=flax needs --config.sim_user.checkpoint=DIR "

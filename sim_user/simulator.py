@@ -177,7 +177,7 @@ class SimulatedUser:
         break
       if attempt:
         self.metrics["sim/retries"] += len(pending)
-      outputs = self.backend.complete([requests[i] for i in pending])
+      outputs = self._complete([requests[i] for i in pending])
       if len(outputs) != len(pending):
         raise RuntimeError(f"backend returned {len(outputs)} results for {len(pending)} requests")
       still_pending = []
@@ -185,7 +185,7 @@ class SimulatedUser:
         kind = requests[i].kind
         if isinstance(output, BackendError):
           self.metrics[f"sim/backend_errors/{output.reason}"] += 1
-          results[i] = f"backend {output.reason} in {kind}"
+          results[i] = f"backend {output} in {kind}"
           still_pending.append(i)
           continue
         try:
@@ -194,8 +194,31 @@ class SimulatedUser:
           self.metrics[f"sim/parse_errors/{kind}"] += 1
           results[i] = f"unparsable {kind} output: {e}"
           still_pending.append(i)
+          continue
+        if attempt:
+          self.metrics["sim/retries_succeeded"] += 1
       pending = still_pending
     return results
+
+  def _complete(self, requests: list[SimRequest]) -> list:
+    """The backend's outputs; its own events (an HTTP backend's attempts and retries, in its
+    `stats`) are added to `metrics` as sim/http/<event>."""
+    stats = getattr(self.backend, "stats", collections.Counter())
+    before = collections.Counter(stats)
+    outputs = self.backend.complete(requests)
+    for event, count in (stats - before).items():
+      self.metrics[f"sim/http/{event}"] += count
+    return outputs
+
+  def check_health(self) -> None:
+    """Raises `SimulatorUnavailable` when the backend's server does not answer a test request.
+
+    Only backends that talk to a server have a `health_check`; in-process ones
+    (scripted, flax) have nothing that can be down.
+    """
+    health_check = getattr(self.backend, "health_check", None)
+    if health_check is not None:
+      health_check()
 
   def _fail(self, d: Dialogue, reason: str) -> None:
     d.end_reason = SIMULATOR_ERROR

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, Sequence
 
+from models.errors import UserInputError
 from sim_user.profiles import Profile
 
 OPENING = "opening"
@@ -37,6 +38,14 @@ class BackendError(Exception):
   def __init__(self, reason: str, detail: str = ""):
     super().__init__(f"{reason}: {detail}" if detail else reason)
     self.reason = reason
+
+
+class SimulatorUnavailable(UserInputError):
+  """The simulator's server gives no well-formed answer to a test request at start-up.
+
+  Most often the URL, model name or key in the config is wrong, or the server
+  is down: the CLIs report it as one line naming the URL and the error.
+  """
 
 
 class Backend(Protocol):
