@@ -9,29 +9,16 @@ from models import qwen2
 from models.sampler import Sampler, SamplingParams
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
-from sim_user.backends.base import BackendError, SimRequest
+from sim_user.backends.base import BackendError
 from sim_user.backends.flax_llm import FlaxLLMBackend
 from sim_user.backends.openai_http import OpenAIChatBackend
 from sim_user.simulator import SimulatedUser
-from tests.fake_openai import REPLY_ANSWER, SECRET
-
-def backend_for(server, monkeypatch, **kwargs):
-  monkeypatch.setenv("SIM_KEY", SECRET)
-  options = dict(api_key_env="SIM_KEY", timeout_s=0.5, backoff_s=0.01, max_backoff_s=0.05,
-                 max_retries=6, max_concurrency=3)
-  options.update(kwargs)
-  return OpenAIChatBackend(server.url, "sim-model", **options)
-
-
-def requests_for(prompts):
-  profile = profiles.load_profiles(profiles.DEMO_PROFILES)[0]
-  return [SimRequest(kind="reply", prompt=p, profile=profile, variant="vanilla", emotion=30,
-                     history=()) for p in prompts]
+from tests.fake_openai import REPLY_ANSWER, SECRET, backend_for, requests_for
 
 
 def test_http_client_retries_every_injected_fault(serve, monkeypatch, caplog):
   server = serve(["500", "429", "timeout", "malformed", "empty", "slow"])
-  backend = backend_for(server, monkeypatch)
+  backend = backend_for(server, monkeypatch, max_retries=6, max_concurrency=3)
   with caplog.at_level(logging.DEBUG):
     results = backend.complete(requests_for([f"prompt {i}" for i in range(5)]))
   assert results == [REPLY_ANSWER] * 5

@@ -142,10 +142,15 @@ class OpenAIChatBackend:
           if not 200 <= response.status < 300:
             raise self._status_fault(response)
           raw = _read_at_most(response, self.max_body_bytes)
+          missing_bytes = response.length  # announced by Content-Length, never received
     except (OSError, http.client.HTTPException) as e:  # URLError and socket errors are OSErrors
       raise self._transport_fault(e, deadline.expired) from None
+    if deadline.expired:  # its cut sockets read as an early end of the body
+      raise self._timeout_fault()
     if len(raw) > self.max_body_bytes:
       raise _Fault("too_long", f"body over {self.max_body_bytes} bytes; not read further")
+    if missing_bytes:
+      raise self._truncated_fault()
     return self._reply_text(raw)
 
   def _status_fault(self, response) -> _Fault:
@@ -157,10 +162,17 @@ class OpenAIChatBackend:
   def _transport_fault(self, e: Exception, deadline_expired: bool) -> _Fault:
     reason = getattr(e, "reason", e)  # URLError wraps the socket's error
     if deadline_expired or isinstance(reason, TimeoutError):
-      return _Fault("timeout", f"no complete answer within {self.timeout_s}s")
-    if isinstance(e, http.client.IncompleteRead):
-      return _Fault("truncated", f"body ended early, after {len(e.partial)} bytes")
+      return self._timeout_fault()
+    if isinstance(e, http.client.IncompleteRead):  # a chunked body cut short
+      return self._truncated_fault()
     return _Fault("connection", self._clean(f"{type(reason).__name__}: {reason}"))
+
+  def _timeout_fault(self) -> _Fault:
+    return _Fault("timeout", f"no complete answer within {self.timeout_s}s")
+
+  @staticmethod
+  def _truncated_fault() -> _Fault:
+    return _Fault("truncated", "the body ended before its announced length")
 
   def _reply_text(self, raw: bytes) -> str:
     """The first choice's message content of an answer body, checked, cleaned and capped."""
