@@ -49,6 +49,9 @@ class SimulatorUnavailable(UserInputError):
 
 
 class Backend(Protocol):
+  """What every backend implements. A backend that talks to a server also has
+  `health_check()` (raises `SimulatorUnavailable`) and `stats`, a Counter of its
+  own attempts and retries that the simulator copies into its metrics."""
 
   def complete(self, requests: Sequence[SimRequest]) -> list[str | BackendError]:
     """One text (or the error that replaced it) per request, in order. Never raises for

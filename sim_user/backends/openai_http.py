@@ -165,7 +165,8 @@ class OpenAIChatBackend:
       return self._timeout_fault()
     if isinstance(e, http.client.IncompleteRead):  # a chunked body cut short
       return self._truncated_fault()
-    return _Fault("connection", self._clean(f"{type(reason).__name__}: {reason}"))
+    detail = f"{type(reason).__name__}: {reason}" if isinstance(reason, Exception) else reason
+    return _Fault("connection", self._clean(str(detail)))
 
   def _timeout_fault(self) -> _Fault:
     return _Fault("timeout", f"no complete answer within {self.timeout_s}s")
