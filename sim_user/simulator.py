@@ -3,8 +3,12 @@
 Each user turn is (1) planning: the simulator judges the agent's reply and
 states an emotion change; (2) reply: it writes its next message given that
 judgement. The opening turn is the profile's `first_talk` or a generated
-line. Unparsable output is retried a bounded number of times; after that
-the dialogue is ended as failed or dropped from the batch (configurable), and
+line. The turn limit is the rule set's: under `sage_benchmark` the agent's
+10th reply ends the dialogue with no planning or reply call (SAGE never judges
+it), under `rlver_train` the 9th reply is judged and answered, then the
+dialogue ends (see `dynamics`). Unparsable output is retried a bounded number
+of times; after that the dialogue is ended as failed (`end_failed`: listed,
+reward 0 if trained on) or dropped from the batch (`drop`: reward None), and
 every fallback is counted in `metrics`. Nothing loops forever and no
 dialogue is lost: each one ends with an `end_reason`.
 """
