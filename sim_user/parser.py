@@ -21,7 +21,6 @@ import dataclasses
 import re
 import unicodedata
 
-PLANNING_SECTIONS = ("content", "target_completion", "activity", "analyse", "change")
 REPLY_SECTIONS = ("thinking", "origin", "change", "response")
 
 # Header spellings (lower-case, no spaces) -> section key.

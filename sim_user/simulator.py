@@ -32,7 +32,7 @@ DROP = "drop"
 
 # SAGE and the release end a dialogue when the user's message contains 再见 or 拜拜 (the reply
 # prompt tells the user to say one of them in states S and F); our English prompts name
-# "goodbye" and "bye". Whole words only, so "goodbye" does not fire inside "byelaw".
+# "goodbye" and "bye". Whole words only: "bye" does not fire inside "Byelorussia".
 DEFAULT_GOODBYES = ("goodbye", "bye", "再见", "拜拜")
 
 
