@@ -18,7 +18,10 @@ def policy_config() -> ml_collections.ConfigDict:
   return c
 
 
-def sim_user_config(rules: str) -> ml_collections.ConfigDict:
+def sim_user_config(rules: str, on_failure: str = "") -> ml_collections.ConfigDict:
+  """`on_failure` empty: "drop" under the training rules (a dialogue the simulator failed is
+  left out of the batch, not trained on as reward 0), "end_failed" under the benchmark's (the
+  evaluator lists it, unscored)."""
   c = ml_collections.ConfigDict()
   c.backend = "openai"  # openai | flax | scripted
   c.base_url = ""
@@ -37,7 +40,8 @@ def sim_user_config(rules: str) -> ml_collections.ConfigDict:
   c.language = "zh"  # the released profiles are Chinese
   c.templates = ""  # a directory of your own templates; empty: ours
   c.parse_retries = 2
-  c.on_failure = "end_failed"  # or "drop"
+  c.on_failure = on_failure or ("drop" if rules == "rlver_train" else "end_failed")
+  c.max_agent_turns = 0  # 0: the rules' own (rlver_train: 9, last judged; sage: 10, last not)
   return c
 
 

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from models.errors import UserInputError
 from models.sampler import SamplingParams
 from rlver_jax import policy as policy_lib
 from sim_user import dynamics
 from sim_user.backends.flax_llm import FlaxLLMBackend
 from sim_user.backends.openai_http import OpenAIChatBackend
 from sim_user.backends.scripted import ScriptedBackend
-from sim_user.simulator import SimulatedUser
+from sim_user.simulator import DROP, END_FAILED, SimulatedUser
 from sim_user.templates import PromptSet
 
 BACKENDS = ("openai", "flax", "scripted")
+ON_FAILURE = (DROP, END_FAILED)
 
 
 def make_backend(cfg, mesh=None):
@@ -34,9 +36,27 @@ def make_backend(cfg, mesh=None):
   raise ValueError(f"sim_user.backend={cfg.backend!r}; expected one of {BACKENDS}")
 
 
+def make_rules(cfg, rules: str | None = None) -> dynamics.EmotionRules:
+  """The named rule set (`rules` or `cfg.rules`) with `cfg.max_agent_turns` applied.
+
+  `max_agent_turns` 0 keeps the rule set's own limit: `sage_benchmark` ends
+  with the agent's 10th reply, unjudged (SAGE); `rlver_train` with the agent's
+  9th reply, judged (the release's `turn_count > 8`; the paper says 8: set 8).
+  """
+  name = rules or cfg.rules
+  if name not in dynamics.RULES:
+    raise UserInputError(f"sim_user.rules={name!r}; expected one of {sorted(dynamics.RULES)}")
+  if cfg.max_agent_turns < 0:
+    raise UserInputError(f"sim_user.max_agent_turns={cfg.max_agent_turns}; expected a positive "
+                         "number of agent replies, or 0 for the rule set's own")
+  return dynamics.with_max_agent_turns(dynamics.get_rules(name), cfg.max_agent_turns)
+
+
 def make_simulated_user(cfg, mesh=None, rules: str | None = None) -> SimulatedUser:
   prompts = PromptSet.load(cfg.templates or None, language=cfg.language, variant=cfg.variant)
-  rule_set = dynamics.get_rules(rules or cfg.rules)
+  rule_set = make_rules(cfg, rules)
+  if cfg.on_failure not in ON_FAILURE:
+    raise UserInputError(f"sim_user.on_failure={cfg.on_failure!r}; expected one of {ON_FAILURE}")
   target_header = "Reason" if rule_set.name == "rlver_train" else "TargetCompletion"
   return SimulatedUser(make_backend(cfg, mesh), rule_set, prompts,
                        max_retries=cfg.parse_retries, on_failure=cfg.on_failure,

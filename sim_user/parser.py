@@ -1,10 +1,18 @@
 """Parsing the simulator's sectioned text: planning (emotion analysis) and reply.
 
 Headers may carry full-width colons, markdown bold or headings, brackets
-([Content], 【Content】), bullets and any case; prose before the first header
-is ignored. Bodies are returned as written (Chinese punctuation intact); only
-the emotion change is read after NFKC normalisation (full-width digits/signs). A missing or empty required section raises `MissingSectionError`,
-an unreadable emotion change `BadChangeError`; both are `SimulatorParseError`.
+([Content], 【Content】), bullets, numbering (`1. Content:`, `2) Activity`) and
+any case; a header without a colon must stand alone on its line. Prose before
+the first header is ignored. Bodies are returned as written (Chinese
+punctuation intact); only the emotion change is read after NFKC normalisation
+(full-width digits/signs).
+
+Only the sections the simulator needs are required: `Change` in a planning
+output (the others feed the reply call and may be empty), `Response` in a
+reply. A missing or empty required section raises `MissingSectionError`; a
+`Change` that is not exactly one integer (none, two such as `40 -> 35` or
+`从40到35`, or an absurd number of digits) raises `BadChangeError`; both are
+`SimulatorParseError`, so the simulator retries the call.
 """
 
 from __future__ import annotations
@@ -13,7 +21,6 @@ import dataclasses
 import re
 import unicodedata
 
-PLANNING_SECTIONS = ("content", "target_completion", "activity", "analyse", "change")
 REPLY_SECTIONS = ("thinking", "origin", "change", "response")
 
 # Header spellings (lower-case, no spaces) -> section key.
@@ -27,6 +34,9 @@ _REPLY_ALIASES = {"thinking": "thinking", "origin": "origin", "change": "change"
 
 _MINUS_SIGNS = "\u2212\u2012\u2013\u2014\ufe63\uff0d"  # minus, dashes, small and full-width minus
 _CHANGE_RE = re.compile(r"(?<![\d.])([+-]?)\s*(\d+)(?![\d.])")
+# An emotion change is a few digits (|change| <= 10 in the benchmark); longer is garbage, and
+# int() of over 4300 digits raises a ValueError of its own.
+MAX_CHANGE_DIGITS = 6
 
 
 class SimulatorParseError(ValueError):
@@ -42,8 +52,8 @@ class MissingSectionError(SimulatorParseError):
 
 class BadChangeError(SimulatorParseError):
 
-  def __init__(self, text: str):
-    super().__init__(f"no integer emotion change in {text[:80]!r}")
+  def __init__(self, text: str, problem: str = "no integer emotion change"):
+    super().__init__(f"{problem} in {text[:80]!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,10 +82,12 @@ def _normalise(text: str) -> str:
 
 def _header_pattern(aliases: dict[str, str]) -> re.Pattern:
   names = "|".join(sorted((re.escape(a) for a in aliases), key=len, reverse=True))
-  # Optional bullets, '#', '*', '_' and brackets around the name, a colon, the rest of the line.
+  # Optional bullets, '#', numbering ("1.", "2)", "3、"), '*', '_' and brackets around the
+  # name; then a colon and the rest of the line, or nothing more on the line.
   return re.compile(
-      rf"^[ \t]*(?:[-*>#]+[ \t]*)?[*_]*[\[【(]?[ \t]*[*_]*(?P<name>{names})[*_]*[ \t]*[\]】)]?"
-      rf"[*_]*[ \t]*[:：﹕][*_]*[ \t]*(?P<rest>.*)$",
+      rf"^[ \t]*(?:[-*>#]+[ \t]*)?(?:\d{{1,2}}[.)、．][ \t]*)?[*_]*[\[【(]?[ \t]*[*_]*"
+      rf"(?P<name>{names})[*_]*[ \t]*[\]】)]?[*_]*[ \t]*"
+      rf"(?:[:：﹕][*_]*[ \t]*(?P<rest>.*)|[*_]*[ \t]*)$",
       re.IGNORECASE | re.MULTILINE)
 
 
@@ -98,26 +110,37 @@ def split_sections(text: str, pattern: re.Pattern, aliases: dict[str, str]) -> d
   sections: dict[str, str] = {}
   for i, (key, match) in enumerate(headers):
     end = headers[i + 1][1].start() if i + 1 < len(headers) else len(text)
-    sections[key] = (match.group("rest") + text[match.end():end]).strip().strip("*").strip()
+    rest = match.group("rest") or ""
+    sections[key] = (rest + text[match.end():end]).strip().strip("*").strip()
   return sections
 
 
 def parse_change(text: str) -> int:
-  """The first signed integer in a `Change:` section."""
-  match = _CHANGE_RE.search(_normalise(text))
-  if not match:
+  """The one signed integer of a `Change:` section.
+
+  Two integers (`40 -> 35`, `从40到35`) are ambiguous, not a change of +40:
+  SAGE's first-integer rule would read them so, and the retry is cheap.
+  """
+  matches = list(_CHANGE_RE.finditer(_normalise(text)))
+  if not matches:
     raise BadChangeError(text)
-  sign, digits = match.groups()
+  if len(matches) > 1:
+    raise BadChangeError(text, f"{len(matches)} numbers (a range?) instead of one emotion change")
+  sign, digits = matches[0].groups()
+  if len(digits) > MAX_CHANGE_DIGITS:
+    raise BadChangeError(text[:40], f"an emotion change of {len(digits)} digits "
+                         f"(at most {MAX_CHANGE_DIGITS})")
   return -int(digits) if sign == "-" else int(digits)
 
 
 def parse_planning(text: str) -> Planning:
+  """Only `Change` is required; a missing judgement section is an empty string."""
   sections = split_sections(text, _PLANNING_RE, _PLANNING_ALIASES)
-  for key in PLANNING_SECTIONS:
-    if not sections.get(key):
-      raise MissingSectionError(key, "planning")
-  return Planning(content=sections["content"], target_completion=sections["target_completion"],
-                  activity=sections["activity"], analyse=sections["analyse"],
+  if not sections.get("change"):
+    raise MissingSectionError("change", "planning")
+  return Planning(content=sections.get("content", ""),
+                  target_completion=sections.get("target_completion", ""),
+                  activity=sections.get("activity", ""), analyse=sections.get("analyse", ""),
                   change=parse_change(sections["change"]))
 
 

@@ -3,8 +3,12 @@
 Each user turn is (1) planning: the simulator judges the agent's reply and
 states an emotion change; (2) reply: it writes its next message given that
 judgement. The opening turn is the profile's `first_talk` or a generated
-line. Unparsable output is retried a bounded number of times; after that
-the dialogue is ended as failed or dropped from the batch (configurable), and
+line. The turn limit is the rule set's: under `sage_benchmark` the agent's
+10th reply ends the dialogue with no planning or reply call (SAGE never judges
+it), under `rlver_train` the 9th reply is judged and answered, then the
+dialogue ends (see `dynamics`). Unparsable output is retried a bounded number
+of times; after that the dialogue is ended as failed (`end_failed`: listed,
+reward 0 if trained on) or dropped from the batch (`drop`: reward None), and
 every fallback is counted in `metrics`. Nothing loops forever and no
 dialogue is lost: each one ends with an `end_reason`.
 """
@@ -26,7 +30,10 @@ SIMULATOR_ERROR = "simulator_error"
 END_FAILED = "end_failed"
 DROP = "drop"
 
-DEFAULT_GOODBYES = ("goodbye", "bye", "see you", "farewell", "再见", "拜拜", "先这样吧")
+# SAGE and the release end a dialogue when the user's message contains 再见 or 拜拜 (the reply
+# prompt tells the user to say one of them in states S and F); our English prompts name
+# "goodbye" and "bye". Whole words only: "bye" does not fire inside "Byelorussia".
+DEFAULT_GOODBYES = ("goodbye", "bye", "再见", "拜拜")
 
 
 @dataclasses.dataclass
@@ -114,6 +121,11 @@ class SimulatedUser:
       if seen != reply:
         entry["raw_content"] = reply
       d.history.append(entry)
+      if dynamics.last_reply_unjudged(self.rules, d.agent_turns):
+        # SAGE: the agent's last reply ends the dialogue; no planning or reply call.
+        d.end_reason = dynamics.MAX_TURNS
+        self.metrics[f"sim/end/{d.end_reason}"] += 1
+        continue
       live.append(d)
 
     plannings = self._call([self._request(PLANNING, d) for d in live], parser.parse_planning)
@@ -157,12 +169,13 @@ class SimulatedUser:
           history=self.prompts.history_text(history[:-1]), agent_reply=history[-1]["content"],
           target_header=self.target_header)
     else:
-      planning_text = (f"{planning.analyse}\n{planning.activity}\n"
-                       f"(emotion change {planning.change:+d})")
       prompt = self.prompts.render(
           REPLY, **fields, emotion=f"{d.emotion:g}", emotion_state=state,
+          state_meanings=self.prompts.state_meanings(),
           state_guidance=self.prompts.state_guidance(state),
-          history=self.prompts.history_text(history), planning=planning_text)
+          history=self.prompts.history_text(history), target_header=self.target_header,
+          target_completion=planning.target_completion, activity=planning.activity,
+          analyse=planning.analyse)
     return SimRequest(kind=kind, prompt=prompt, profile=d.profile, variant=self.prompts.variant,
                       emotion=d.emotion, history=history,
                       agent_reply=history[-1]["content"] if kind == PLANNING else "",

@@ -20,20 +20,35 @@ DEFAULT_DIR = os.path.join(os.path.dirname(__file__), "prompts")
 VARIANTS = ("vanilla", "challenging")
 LANGUAGES = ("en", "zh")
 
+_PROFILE_FIELDS = ("player", "character", "scene", "task", "variant_rules")
 FIELDS = {
-    "planning": ("player", "scene", "task", "variant_rules", "emotion", "emotion_state",
-                 "history", "agent_reply", "target_header"),
-    "reply": ("player", "scene", "task", "variant_rules", "emotion", "emotion_state",
-              "state_guidance", "history", "planning"),
-    "opening": ("player", "scene", "task", "variant_rules"),
+    "planning": _PROFILE_FIELDS + ("emotion", "emotion_state", "history", "agent_reply",
+                                   "target_header"),
+    # The reply call gets what SAGE gives it: the meaning of the emotion levels and of the
+    # current one, and the planning call's judgement of the hidden intention, inner monologue
+    # and analysis.
+    "reply": _PROFILE_FIELDS + ("emotion", "emotion_state", "state_meanings", "state_guidance",
+                                "history", "target_header", "target_completion", "activity",
+                                "analyse"),
+    "opening": _PROFILE_FIELDS,
 }
 
 _SPEAKERS = {"en": ("You", "NPC"), "zh": ("你", "NPC")}
-_STATE_GUIDANCE = {
-    "en": {"S": "You feel fully understood: thank the NPC warmly and say goodbye.",
-           "F": "You have had enough: say goodbye and leave the conversation."},
-    "zh": {"S": "你感到被完全理解了：真诚地向NPC道谢并说再见。",
-           "F": "你已经受够了：说再见并离开对话。"},
+# What each emotion state means for the reply (SAGE's five levels, our wording). S and F
+# name the goodbye words the simulator listens for.
+STATE_MEANINGS = {
+    "en": {"S": "You feel fully understood: thank the NPC and say goodbye (\"goodbye\" or "
+                "\"bye\"), ending the conversation.",
+           "A": "High: the conversation feels good; your feedback is positive.",
+           "B": "Medium: you feel neither positive nor negative.",
+           "C": "Low: the conversation feels bad; your feedback is negative.",
+           "F": "You have had enough and do not want to go on: say goodbye (\"goodbye\" or "
+                "\"bye\") and leave."},
+    "zh": {"S": "你感到被完全理解：感谢NPC，并用“再见”或“拜拜”告别，结束对话。",
+           "A": "高：对话感受比较正面，你的反馈也比较正面。",
+           "B": "中：你没有明显正面或负面的感受。",
+           "C": "低：对话感受比较负面，你的反馈也比较负面。",
+           "F": "你的情绪已到最低，不想再聊：用“再见”或“拜拜”告别，离开对话。"},
 }
 
 
@@ -80,11 +95,19 @@ class PromptSet:
     return "\n".join(lines) if lines else "(nothing yet)"
 
   def profile_fields(self, profile: Profile) -> dict:
-    return {"player": profile.player, "scene": profile.scene, "task": profile.task,
-            "variant_rules": self.variant_rules}
+    traits = "、".join(profile.cha_group) if self.language == "zh" else ", ".join(profile.cha_group)
+    character = f"{profile.main_cha} ({traits})" if traits else profile.main_cha
+    return {"player": profile.player, "character": character, "scene": profile.scene,
+            "task": profile.task, "variant_rules": self.variant_rules}
 
   def state_guidance(self, state: str) -> str:
-    return _STATE_GUIDANCE[self.language].get(state, "")
+    """What the current emotion state (S, A, B, C or F) means for the reply."""
+    return STATE_MEANINGS[self.language][state]
+
+  def state_meanings(self) -> str:
+    """All five states and their meanings, one per line."""
+    return "\n".join(f"{state}: {meaning}"
+                     for state, meaning in STATE_MEANINGS[self.language].items())
 
 
 def _read(path: str) -> str:

@@ -4,6 +4,7 @@ import http.server
 import logging
 import threading
 
+import pytest
 
 from models import qwen2
 from models.sampler import Sampler, SamplingParams
@@ -113,3 +114,46 @@ def test_flax_llm_backend_answers_every_request(tmp_path):
   dialogues = user.start(profiles.load_profiles(profiles.DEMO_PROFILES)[:2])
   user.respond(dialogues, ["hello", "hi"])
   assert all(d.end_reason == "simulator_error" and "unparsable" in d.failure for d in dialogues)
+
+
+class DeadBackend:
+  """Every call fails, as when nothing listens at the simulator's URL."""
+
+  def complete(self, requests):
+    return [BackendError("connection", "refused") for _ in requests]
+
+
+def test_config_defaults_drop_failed_training_dialogues_and_list_failed_evaluations():
+  from configs import eval as eval_config, ppo
+  from models.errors import UserInputError
+  from rlver_jax import simulator_factory
+  train_cfg, eval_cfg = ppo.get_config().sim_user, eval_config.get_config().sim_user
+  assert (train_cfg.on_failure, eval_cfg.on_failure) == ("drop", "end_failed")
+  for cfg in (train_cfg, eval_cfg):
+    cfg.backend = "scripted"
+  train_user = simulator_factory.make_simulated_user(train_cfg)
+  eval_user = simulator_factory.make_simulated_user(eval_cfg)
+  assert (train_user.rules.max_agent_turns, train_user.rules.judge_last_reply) == (9, True)
+  assert (eval_user.rules.max_agent_turns, eval_user.rules.judge_last_reply) == (10, False)
+  assert train_user.target_header == "Reason" and eval_user.target_header == "TargetCompletion"
+
+  # A dialogue the simulator fails is left out of training (reward None, not 0), and listed
+  # with its reason, unscored, in evaluation (the evaluator scores only dialogues without one).
+  profile = profiles.load_profiles(profiles.DEMO_PROFILES)[0]
+  failed = []
+  for user in (train_user, eval_user):
+    user.backend = DeadBackend()
+    [d] = user.start([profile])
+    user.respond([d], ["hello"])
+    assert "backend connection" in d.failure
+    failed.append(d)
+  assert failed[0].dropped and failed[0].reward is None
+  assert not failed[1].dropped
+  assert train_user.metrics["sim/dropped_dialogues"] == eval_user.metrics[
+      "sim/failed_dialogues"] == 1
+
+  train_cfg.max_agent_turns = 8  # the paper's count
+  assert simulator_factory.make_simulated_user(train_cfg).rules.max_agent_turns == 8
+  train_cfg.max_agent_turns = -1
+  with pytest.raises(UserInputError, match="sim_user.max_agent_turns=-1"):
+    simulator_factory.make_simulated_user(train_cfg)

@@ -1,5 +1,6 @@
 """The simulated user: profiles, templates, parser, dynamics, simulator, replay."""
 
+import collections
 import json
 import re
 import os
@@ -11,16 +12,27 @@ from hypothesis import strategies as st
 from sim_user import dynamics, parser, profiles, replay, templates
 from sim_user.backends.base import BackendError
 from sim_user.backends.scripted import ScriptedBackend, judge
+from sim_user.jsonl import iter_jsonl
 from sim_user.simulator import DROP, SIMULATOR_ERROR, SimulatedUser
 from sim_user.thinking import split_thinking, strip_thinking
 
-SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data")
+# The authors' data beside the repository (../shared/data); RLVER_SHARED_DATA overrides it.
+SHARED = os.environ.get("RLVER_SHARED_DATA") or os.path.join(
+    os.path.dirname(__file__), "..", "..", "shared", "data")
 RLVER = os.path.join(SHARED, "rlver")
 SAGE = os.path.join(SHARED, "sage")
+needs_rlver = pytest.mark.skipif(
+    not os.path.isdir(RLVER), reason=f"{RLVER} is absent: put RLVER's released profiles "
+    "(github.com/Tencent/digitalhuman, RLVER/data/*_profile.jsonl) there")
+needs_sage = pytest.mark.skipif(
+    not os.path.isdir(SAGE), reason=f"{SAGE} is absent: put SAGE's recorded results "
+    "(github.com/Tencent/digitalhuman, SAGE/dataset/deepseek-v3-2024-1227_based_simulator/"
+    "*_result.jsonl) there")
 
 
 # Profiles.
 
+@needs_rlver
 def test_released_profiles_load_with_their_known_gaps():
   train = profiles.load_profiles(os.path.join(RLVER, "train_profile.jsonl"))
   test = profiles.load_profiles(os.path.join(RLVER, "test_profile.jsonl"))
@@ -79,10 +91,16 @@ def test_our_templates_load_and_keep_sage_sections(language, variant):
   for header in ("Content:", "TargetCompletion:", "Activity:", "Analyse:", "Change:"):
     assert header in text
   reply = prompts.render("reply", **prompts.profile_fields(profile), emotion="40",
-                         emotion_state="B", state_guidance="", history="-", planning="-")
+                         emotion_state="B", state_meanings=prompts.state_meanings(),
+                         state_guidance=prompts.state_guidance("B"), history="-",
+                         target_header="TargetCompletion", target_completion="-", activity="-",
+                         analyse="-")
   for header in ("Thinking:", "Origin:", "Change:", "Response:"):
     assert header in reply
-  assert prompts.variant_rules in text
+  assert "Activity:" not in reply  # the fake server tells a planning prompt by this header
+  assert prompts.variant_rules in text and profile.main_cha in text + reply
+  # The release's rule: a reply that is not natural language is very negative.
+  assert ("natural language" if language == "en" else "自然语言") in text
 
 
 def test_a_bad_placeholder_in_a_user_template_names_the_file(tmp_path):
@@ -101,8 +119,7 @@ PLANNING = """Let me think about this first.
 **Content：** The NPC wants to comfort me.
 [TargetCompletion]: partly, it misses what I want.
 - Activity: 我觉得他没听懂。
-### Analyse
-: unused
+The Analyse below
 Analyse：有点失望。
 Change：
 [人物情绪变化]
@@ -114,13 +131,46 @@ def test_parser_tolerates_sage_style_noise():
   planning = parser.parse_planning(PLANNING)
   assert planning.change == -5
   assert planning.content == "The NPC wants to comfort me."
-  # "### Analyse" without a colon is not a header: it stays in the monologue.
-  assert planning.activity.startswith("我觉得他没听懂。") and "unused" in planning.activity
+  # A header name inside a line, without a colon, is no header: it stays in the monologue.
+  assert planning.activity == "我觉得他没听懂。\nThe Analyse below"
   assert planning.analyse == "有点失望。"
   assert parser.parse_planning(PLANNING.replace("[TargetCompletion]", "Reason")).change == -5
   reply = parser.parse_reply("Thinking: be curt\nOrigin: whatever\nChange: shorter\n"
                              "**Response**：“算了，再说吧。”")
   assert reply.response == "算了，再说吧。"
+
+
+def test_numbered_and_colonless_headers():
+  text = ("1. Content: comfort\n2) Reason: partly\n### 3. Activity\nhmm, fine\n**Analyse**\n"
+          "not bad\n5、Change：\n+5")
+  planning = parser.parse_planning(text)
+  assert (planning.content, planning.target_completion, planning.activity, planning.analyse,
+          planning.change) == ("comfort", "partly", "hmm, fine", "not bad", 5)
+  assert parser.parse_reply("Thinking\nbe curt\n4. Response\n算了。").response == "算了。"
+
+
+def test_planning_needs_only_change():
+  planning = parser.parse_planning("Analyse: it helps\nChange: -5")
+  assert (planning.change, planning.analyse, planning.content, planning.activity) == (
+      -5, "it helps", "", "")
+  with pytest.raises(parser.MissingSectionError) as err:
+    parser.parse_planning("Content: x\nReason: y\nActivity: y\nAnalyse: z")
+  assert err.value.section == "change"
+
+
+@pytest.mark.parametrize("change_text", [
+    "从40到35", "40 -> 35", "40到35", "-5 (40 → 35)", "+5 or +10", "-10~+10"])
+def test_a_change_with_two_numbers_is_a_parse_error(change_text):
+  with pytest.raises(parser.BadChangeError, match="instead of one emotion change"):
+    parser.parse_change(change_text)
+  with pytest.raises(parser.SimulatorParseError):
+    parser.parse_planning(f"Content: x\nChange: {change_text}")
+
+
+def test_a_change_of_thousands_of_digits_is_a_parse_error():
+  with pytest.raises(parser.BadChangeError, match="emotion change of 5000 digits"):
+    parser.parse_planning("Change: -" + "7" * 5000)
+  assert parser.parse_change("-" + "9" * parser.MAX_CHANGE_DIGITS) == -int("9" * 6)
 
 
 @pytest.mark.parametrize("change_text,value", [
@@ -132,9 +182,6 @@ def test_change_values(change_text, value):
 
 
 def test_missing_sections_raise_typed_errors():
-  with pytest.raises(parser.MissingSectionError) as err:
-    parser.parse_planning("Content: x\nActivity: y\nAnalyse: z\nChange: +5")
-  assert err.value.section == "target_completion"
   with pytest.raises(parser.BadChangeError):
     parser.parse_planning("Content: x\nReason: y\nActivity: y\nAnalyse: z\nChange: a lot")
   with pytest.raises(parser.MissingSectionError):
@@ -147,7 +194,8 @@ def test_missing_sections_raise_typed_errors():
 _body = st.text(alphabet=st.characters(blacklist_categories=("Cs",), blacklist_characters="\r:："),
                 min_size=1, max_size=40).filter(lambda s: s.strip().strip("*").strip())
 _decorations = st.sampled_from(["{h}:", "{h}：", "**{h}:**", "**{h}**：", "[{h}]:", "【{h}】：",
-                                "### {h}:", "- {h}:", "{h_lower}:"])
+                                "### {h}:", "- {h}:", "{h_lower}:", "1. {h}:", "2) {h}：",
+                                "{h}\n", "**{h}**\n", "### 3. {h}\n"])
 
 
 @settings(max_examples=200, deadline=None)
@@ -192,8 +240,10 @@ def test_sage_benchmark_rules():
   assert dynamics.end_reason(r, 9.5, 3) == dynamics.FAILURE
   assert dynamics.end_reason(r, 10, 3) is None
   assert dynamics.end_reason(r, 50, 3, said_goodbye=True) == dynamics.GOODBYE
-  assert dynamics.end_reason(r, 50, 10) == dynamics.MAX_TURNS
   assert dynamics.end_reason(r, 50, 9) is None
+  # SAGE: the agent's 10th reply ends the dialogue before any judgement.
+  assert not r.judge_last_reply and dynamics.last_reply_unjudged(r, 10)
+  assert not dynamics.last_reply_unjudged(r, 9)
 
 
 def test_rlver_train_rules():
@@ -204,7 +254,15 @@ def test_rlver_train_rules():
   assert dynamics.end_reason(r, 0, 2) == dynamics.FAILURE
   assert dynamics.end_reason(r, 1, 2) is None
   assert dynamics.end_reason(r, 100, 2) is None  # training does not stop at the top
-  assert dynamics.end_reason(r, 50, 8) == dynamics.MAX_TURNS
+  # The release's `turn_count > 8` check: the 9th reply is judged, then the dialogue ends.
+  assert r.judge_last_reply and not dynamics.last_reply_unjudged(r, 9)
+  assert dynamics.end_reason(r, 50, 8) is None
+  assert dynamics.end_reason(r, 50, 9) == dynamics.MAX_TURNS
+  paper = dynamics.with_max_agent_turns(r, 8)  # the paper's count
+  assert dynamics.end_reason(paper, 50, 8) == dynamics.MAX_TURNS and paper.initial == 30
+  assert dynamics.with_max_agent_turns(r, 0) is r
+  with pytest.raises(ValueError, match="max_agent_turns"):
+    dynamics.with_max_agent_turns(r, -1)
 
 
 def test_rewards_and_states():
@@ -252,16 +310,102 @@ def test_fitting_replies_raise_emotion_and_missing_ones_lower_it():
   assert planning["change"] == 10 and "TargetCompletion" in planning
 
 
-def test_dialogue_ends_after_max_turns_and_thinking_is_hidden():
+def test_thinking_is_hidden_from_the_simulator():
   user = make_user()
   [d] = user.start([demo("be_praised")])
-  for _ in range(8):
-    user.respond([d], ["<think>praise her</think> You did so well, I admire your courage."])
-  assert d.end_reason in (dynamics.MAX_TURNS, dynamics.GOODBYE)
-  assert d.agent_turns <= 8
+  user.respond([d], ["<think>praise her</think> You did so well, I admire your courage."])
   assistant = [m for m in d.history if m["role"] == "assistant"][0]
   assert assistant["content"] == "You did so well, I admire your courage."
   assert "<think>" in assistant["raw_content"]
+
+
+class CountingBackend(ScriptedBackend):
+  """The scripted user, counting calls by kind and keeping the prompts."""
+
+  def __init__(self):
+    self.calls, self.prompts = collections.Counter(), []
+
+  def complete(self, requests):
+    self.calls.update(r.kind for r in requests)
+    self.prompts += [r.prompt for r in requests]
+    return super().complete(requests)
+
+
+def run_neutral_dialogue(rules):
+  """A dialogue of replies that neither fit nor miss: only the turn limit ends it."""
+  backend = CountingBackend()
+  user = make_user(backend, rules=rules)
+  [d] = user.start([demo("be_praised")])
+  while not d.done:
+    user.respond([d], ["Hmm, okay."])
+  judged = [m for m in d.history if m["role"] == "user" and "planning" in m]
+  return d, judged, backend
+
+
+def test_sage_rules_end_with_the_10th_reply_unjudged():
+  d, judged, backend = run_neutral_dialogue(dynamics.SAGE_BENCHMARK)
+  assert d.end_reason == dynamics.MAX_TURNS and d.agent_turns == 10
+  assert len(judged) == 9 and len(d.emotions) == 10
+  assert d.history[-1] == {"role": "assistant", "content": "Hmm, okay."}
+  assert backend.calls == {"planning": 9, "reply": 9}  # no call for the 10th reply
+
+
+def test_training_rules_judge_the_release_s_9_replies_or_the_configured_count():
+  d, judged, backend = run_neutral_dialogue(dynamics.RLVER_TRAIN)
+  assert d.end_reason == dynamics.MAX_TURNS and d.agent_turns == 9 and len(judged) == 9
+  assert d.history[-1]["role"] == "user" and backend.calls == {"planning": 9, "reply": 9}
+  d, judged, _ = run_neutral_dialogue(dynamics.with_max_agent_turns(dynamics.RLVER_TRAIN, 8))
+  assert d.agent_turns == 8 and len(judged) == 8
+
+
+@needs_sage
+def test_recorded_sage_dialogues_end_with_10_replies_and_9_judged_turns():
+  """Every turn-limited recorded dialogue: 10 agent replies, 9 judged; our simulator, fed the
+  recording, ends each of the 300 exactly where SAGE did."""
+  turn_limited = 0
+  for name in ("deepseek-v3-1227", "qwen2.5-72b", "claude3.7"):
+    for _, record in iter_jsonl(os.path.join(SAGE, f"{name}_result.jsonl")):
+      history = record["history"]
+      replies = sum(m["role"] == "assistant" for m in history)
+      judged = sum(m["role"] == "user" and "planning" in m for m in history)
+      if history[-1]["role"] == "assistant":  # the turn limit ended it, not the user
+        turn_limited += 1
+        assert (replies, judged) == (10, 9), record["id"]
+      else:
+        assert replies == judged <= 9, record["id"]
+      assert replay.ends_as_recorded(record, dynamics.SAGE_BENCHMARK), record["id"]
+  assert turn_limited == 56 + 25 + 57
+
+
+def test_the_reply_call_gets_what_sage_gives_it():
+  backend = CountingBackend()
+  user = make_user(backend, rules=dynamics.SAGE_BENCHMARK)
+  [d] = user.start([demo("be_listened_to")])
+  user.respond([d], ["I am listening, tell me more."])  # +10: 40 -> 50, state B
+  planning, reply = backend.prompts
+  judged = d.history[-1]["planning"]
+  for text in (judged["TargetCompletion"], judged["activity"], judged["analyse"]):
+    assert text and text in reply
+  assert "TargetCompletion" in reply and templates.STATE_MEANINGS["en"]["B"] in reply
+  for state in "SABCF":  # the meaning of every level, for the scale
+    assert templates.STATE_MEANINGS["en"][state] in reply
+  for rule in ("At most two questions", "passive, ask no questions", "Do not repeat",
+               "do not change the subject abruptly", "Never state outright"):
+    assert rule in reply, rule
+  assert f"Personality type: {demo('be_listened_to').main_cha}" in reply
+  assert "not natural language" in planning
+  user = make_user(CountingBackend(), rules=dynamics.RLVER_TRAIN, target_header="Reason")
+  [d] = user.start([demo("be_listened_to")])
+  user.respond([d], ["I am listening, tell me more."])
+  assert "(Reason)" in user.backend.prompts[-1]
+
+
+@pytest.mark.parametrize("text,goodbye", [
+    ("Thanks, goodbye!", True), ("Bye.", True), ("好的，谢谢你，再见！", True), ("拜拜~", True),
+    ("先这样吧，我再想想。", False), ("I see you care about this.", False),
+    ("Farewell parties are the worst.", False), ("He lives in Byelorussia.", False)])
+def test_goodbye_words_are_sage_s(text, goodbye):
+  assert make_user().says_goodbye(text) == goodbye
 
 
 def test_challenging_simulator_ignores_general_encouragement():
@@ -338,6 +482,7 @@ def test_drop_policy_and_backend_errors():
   assert user.metrics["sim/backend_errors/http_500"] == 2
 
 
+@needs_rlver
 def test_opening_turn_is_generated_without_first_talk():
   train = profiles.load_profiles(os.path.join(RLVER, "train_profile.jsonl"))[:2]
   user = make_user()
@@ -347,6 +492,7 @@ def test_opening_turn_is_generated_without_first_talk():
 
 # Replay of the recorded benchmark.
 
+@needs_sage
 def test_replay_reproduces_the_published_leaderboard():
   expected = {"deepseek-v3-1227_result.jsonl": (37.55, 5, 39),
               "qwen2.5-72b_result.jsonl": (19.1, 4, 70),
@@ -357,19 +503,24 @@ def test_replay_reproduces_the_published_leaderboard():
     assert result["score"] == pytest.approx(score)
     assert (result["success_rate"], result["failure_rate"]) == (success, failure)
     assert result["mismatched_turns"] == 0
+    assert result["mismatched_ends"] == 0  # our simulator ends every dialogue where SAGE did
 
 
+@needs_sage
 def test_replay_cli_prints_one_object_per_file(capsys):
   files = [os.path.join(SAGE, "claude3.7_result.jsonl"), os.path.join(SAGE, "qwen2.5-72b_result.jsonl")]
   assert replay.main(files) == 0
   lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert [line["file"] for line in lines] == files
-  assert set(lines[0]) == {"file", "n", "score", "success_rate", "failure_rate", "mismatched_turns"}
+  assert set(lines[0]) == {"file", "n", "score", "success_rate", "failure_rate", "mismatched_turns",
+                           "mismatched_ends"}
 
 
+@needs_sage
 def test_replay_under_training_rules_differs(tmp_path):
   result = replay.replay_file(os.path.join(SAGE, "claude3.7_result.jsonl"), dynamics.RLVER_TRAIN)
   assert result["mismatched_turns"] > 0  # recorded under the benchmark's rules
+  assert result["mismatched_ends"] > 0
 
 
 def test_replay_names_a_broken_record(tmp_path, capsys):
