@@ -17,21 +17,40 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 
 from models import partitioning
+from models.errors import UserInputError
 
 DEFAULT_MESH_AXES = {"data": 1, "fsdp": -1, "tensor": 1}
 
 
 def maybe_initialize_distributed(force: bool = False) -> bool:
-  """Calls `jax.distributed.initialize()` on multi-host launches; returns whether it did.
+  """Calls `jax.distributed.initialize` on multi-host launches; returns whether it did.
 
-  Multi-host is recognised from a coordinator address, a multi-worker TPU VM,
-  or SLURM with several tasks. Must run before any other JAX call.
+  Multi-host is recognised from a multi-worker TPU VM or SLURM with several
+  tasks (JAX reads those environments itself), or from a launch by hand:
+  `JAX_COORDINATOR_ADDRESS=host:port`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`
+  in every process's environment (a GPU cluster without SLURM, or several
+  processes on one machine in tests). On CPU the gloo collectives are selected,
+  so a process group of CPU hosts can run cross-process computations. Must run
+  before any other JAX call.
   """
   multi_worker_tpu = len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
   slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
-  if not (force or "JAX_COORDINATOR_ADDRESS" in os.environ or multi_worker_tpu or slurm):
+  coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
+  if not (force or coordinator or multi_worker_tpu or slurm):
     return False
-  jax.distributed.initialize()
+  kwargs = {}
+  if coordinator and "JAX_NUM_PROCESSES" in os.environ:
+    try:
+      kwargs = dict(coordinator_address=coordinator,
+                    num_processes=int(os.environ["JAX_NUM_PROCESSES"]),
+                    process_id=int(os.environ["JAX_PROCESS_ID"]))
+    except (KeyError, ValueError) as e:
+      raise UserInputError(
+          "a launch by hand needs JAX_COORDINATOR_ADDRESS=host:port, JAX_NUM_PROCESSES=N and "
+          f"JAX_PROCESS_ID=0..N-1 in every process's environment ({e!r})") from None
+  if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(**kwargs)
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
