@@ -34,6 +34,15 @@ def make_backend(cfg, mesh=None):
   raise ValueError(f"sim_user.backend={cfg.backend!r}; expected one of {BACKENDS}")
 
 
+def describe(cfg) -> str:
+  """The simulator a `sim_user` section names, for error messages: its URL or backend."""
+  if cfg.backend == "openai":
+    return f"{cfg.base_url} (model {cfg.model})"
+  if cfg.backend == "flax":
+    return f"the flax simulator {cfg.checkpoint}"
+  return f"the {cfg.backend} simulator"
+
+
 def make_simulated_user(cfg, mesh=None, rules: str | None = None) -> SimulatedUser:
   prompts = PromptSet.load(cfg.templates or None, language=cfg.language, variant=cfg.variant)
   rule_set = dynamics.get_rules(rules or cfg.rules)
