@@ -53,6 +53,8 @@ def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path):
   trainer.Trainer(small_demo(tmp_path)).run()
   records = read_metrics(tmp_path)
   assert [r["step"] for r in records] == [1, 2, 3]
+  with open(tmp_path / "config.json") as f:
+    assert json.load(f)["steps"] == 3
   for key in REQUIRED_METRICS:
     assert all(np.isfinite(r[key]) for r in records), key
   assert records[0]["value_loss"] > 0
@@ -129,7 +131,7 @@ def _profiles_file(path, suffix):
   return str(path)
 
 
-def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, serve):
+def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, serve, capsys):
   server = serve([])
   config = small_demo(tmp_path / "run", **{
       "data.train_profiles": _profiles_file(tmp_path / "profiles.jsonl", " ALWAYS_500"),
@@ -142,6 +144,7 @@ def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, ser
   with pytest.raises(trainer.SimulatorUnavailable) as error:
     run.run()
   assert server.url in str(error.value) and "http_500" in str(error.value)
+  assert "sim_fail=4" in capsys.readouterr().err  # the progress bar
   records = read_metrics(tmp_path / "run")
   assert [r["step"] for r in records] == [1, 2]
   assert all(r["untrained/simulator"] == 1 and r["dialogues/simulator_failed"] == 4 and
