@@ -40,6 +40,9 @@ class EvaluationError(RuntimeError):
 
 RESULTS_FILE = "results.jsonl"
 SIMULATOR_EVENTS_FILE = "simulator_events.json"  # sim/* counters summed over resumed runs
+# Text from a server may hold a lone surrogate, which UTF-8 cannot encode: it is written as the
+# JSON escape `\ud800`, which reads back as the same text.
+WRITE_TEXT = dict(encoding="utf-8", errors="backslashreplace")
 RETRIES_SUCCEEDED = "sim/retries_succeeded"
 
 
@@ -157,7 +160,7 @@ def evaluate(config) -> dict:
 
   events = dict(earlier_events)
   with tqdm(total=len(profiles), initial=len(profiles) - len(todo), unit="dialogue",
-            desc="eval") as bar, open(results_path, "a", encoding="utf-8") as results_file:
+            desc="eval") as bar, open(results_path, "a", **WRITE_TEXT) as results_file:
     for start in range(0, len(todo), e.batch_size):
       batch = todo[start:start + e.batch_size]
       result = rollout_lib.collect(policy.sampler, policy.formatter, user, batch, rollout_cfg,
@@ -207,14 +210,14 @@ def _read_json(path: str) -> dict:
 
 
 def _write_json(path: str, value: dict) -> None:
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
+  with open(path + ".tmp", "w", **WRITE_TEXT) as f:
     json.dump(value, f, indent=2, ensure_ascii=False)
   os.replace(path + ".tmp", path)
 
 
 def _write_records(path: str, records: Sequence[dict]) -> None:
   """Replaces a JSONL file whole (a kill leaves the old one or the new one)."""
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
+  with open(path + ".tmp", "w", **WRITE_TEXT) as f:
     f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
   os.replace(path + ".tmp", path)
 

@@ -87,7 +87,7 @@ def read_appended_jsonl(path: str) -> list[dict]:
   """
   if not os.path.exists(path):
     return []
-  with open(path) as f:
+  with open(path, encoding="utf-8") as f:
     lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
   records = []
   for index, (number, line) in enumerate(lines):

@@ -7,6 +7,7 @@ import pytest
 
 from configs import eval as eval_config
 from rlver_jax import eval as evaluator
+from rlver_jax import metrics as metrics_lib
 from rlver_jax import tiny
 from rl import rollout as rollout_lib
 from models.errors import UserInputError
@@ -69,6 +70,12 @@ def _count_collected(monkeypatch):
 
 def _read_results(workdir):
   return [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
+
+
+def test_results_with_a_lone_surrogate_are_written_and_read_back(tmp_path):
+  records = [{"id": "a", "history": [{"role": "user", "content": "bad \ud800 text"}]}]
+  evaluator._write_records(str(tmp_path / "results.jsonl"), records)
+  assert metrics_lib.read_appended_jsonl(str(tmp_path / "results.jsonl")) == records
 
 
 def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatch):
