@@ -99,13 +99,13 @@ def test_killed_run_redoes_only_the_step_in_flight(tmp_path):
   env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
   with open(tmp_path / "first.log", "w") as log:
     first = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log)
-    try:  # kill it in step 3, once step 2 is logged and its checkpoint written
+    try:  # SIGKILL in step 3, once step 2 is logged and its checkpoint written
       _wait_for(lambda: (tmp_path / "checkpoints" / "2").is_dir() and
                 len(read_metrics(tmp_path)) >= 2, first)
-      first.send_signal(signal.SIGKILL)
     finally:
       first.kill()
       first.wait()
+  assert first.returncode == -signal.SIGKILL
   before = read_metrics(tmp_path)
   assert [r["step"] for r in before] == list(range(1, len(before) + 1)), before
 
