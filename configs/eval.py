@@ -18,10 +18,13 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
     raise ValueError(f"unknown config variant {arg!r}; use '' or 'think'")
   c = common.inference_config()
   c.sim_user = common.sim_user_config(rules="sage_benchmark")
+  c.resume_mismatch_ok = False  # resume W/results.jsonl even though the config differs
 
   c.eval = ml_collections.ConfigDict()
   c.eval.profiles = ""  # RLVER's test_profile.jsonl (100 profiles with first_talk)
   c.eval.batch_size = 16  # dialogues run side by side
+  c.eval.limit = 0  # the first N profiles only (0: all)
+  c.eval.min_scored_share = 0.9  # fewer profiles scored (the rest failed in the simulator): error
   c.eval.thinking = arg == "think"
   c.eval.system_prompt = ppo.THINK_SYSTEM_PROMPT if arg == "think" else ""
   c.eval.max_new_tokens = 1024

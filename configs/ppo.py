@@ -41,6 +41,10 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   c.data.train_profiles = ""  # RLVER's train_profile.jsonl
 
   c.sim_user = common.sim_user_config(rules="rlver_train")
+  # A step where more than this share of dialogues failed in the simulator is not trained on;
+  # this many such steps in a row stop the run.
+  c.sim_user.max_failed_share = 0.5
+  c.sim_user.max_failed_steps_in_a_row = 3
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.samples_per_profile = 1
@@ -82,12 +86,16 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   c.optim.grad_accum = 1
 
   c.checkpoint = ml_collections.ConfigDict()
-  c.checkpoint.every = 20
+  # Saving is asynchronous (the files are written while the next step runs). A 7B PPO state
+  # (policy, critic, Adam moments) is ~180 GB, so the recipes save by time; with every=1 a run
+  # killed mid-step redoes only that step.
+  c.checkpoint.every = 0  # steps between checkpoints (0: by time only)
+  c.checkpoint.every_minutes = 10.0  # minutes between checkpoints (0: by steps only)
   c.checkpoint.keep = 3
   c.checkpoint.export_at_end = True
 
   c.max_skipped_updates = 10  # non-finite steps tolerated before the run stops
-  c.crash_at_step = -1  # tests: kill the process in the middle of this step
+  c.resume_mismatch_ok = False  # resume even though the config differs from W/config.json
   return c
 
 

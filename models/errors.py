@@ -6,3 +6,8 @@ class UserInputError(ValueError):
 
   The message names the file, line or field at fault and what would be accepted.
   """
+
+
+class RunStopped(RuntimeError):
+  """A run that stopped on purpose for a stated reason (a dead simulator, too many failed
+  updates, too few scored profiles): the CLIs report it as one line and exit non-zero."""

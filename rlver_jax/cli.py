@@ -9,7 +9,7 @@ from typing import Callable
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from models.errors import UserInputError
+from models.errors import RunStopped, UserInputError
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -39,7 +39,7 @@ def run(default_file: str, help_text: str, fn: Callable) -> None:
     logging.info("config:\n%s", config)
     try:
       fn(config)
-    except UserInputError as e:  # the user's mistake: one line; our bugs keep their traceback
+    except (UserInputError, RunStopped) as e:  # one line; our bugs keep their traceback
       raise SystemExit(f"error: {e}") from None
 
   flags.FLAGS.alsologtostderr = True

@@ -4,11 +4,15 @@
       --config.eval.profiles=FILE --config.workdir=W [--config.sim_user.backend=openai ...]
 
 Writes W/results.jsonl (SAGE's result format: id, emo_point, emo_state,
-history with per-turn emotion and planning, ...), W/summary.json (n, score,
-success_rate, failure_rate in percent, per-intention and per-character
-breakdowns, decoding settings, and the dialogues that failed for
-infrastructure reasons, which are listed and not scored), and PNG plots of
-the emotion trajectories and the final-score histogram.
+history with per-turn emotion and planning, ..., plus `failure`, the reason
+a dialogue failed for infrastructure reasons, or null), one line appended as
+each batch of dialogues ends; W/summary.json (n, score, success_rate,
+failure_rate in percent, per-intention and per-character breakdowns, decoding
+settings, simulator events, and the failed dialogues, which are listed and
+not scored), and PNG plots of the emotion trajectories and the final-score
+histogram. Rerun in the same workdir, it resumes: profiles with a scored
+record are skipped, failed ones are run again. It raises EvaluationError when
+fewer than `eval.min_scored_share` of the profiles were scored.
 """
 
 from __future__ import annotations
@@ -16,15 +20,30 @@ from __future__ import annotations
 import collections
 import json
 import os
+from typing import Sequence
 
 from absl import logging
 from tqdm import tqdm
 
 from rl import rollout as rollout_lib
-from rlver_jax import cli, sharding, simulator_factory
+from models.errors import RunStopped, UserInputError
+from rlver_jax import cli, run_config, sharding, simulator_factory
+from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
 from sim_user import dynamics, profiles as profiles_lib
 from sim_user.simulator import Dialogue
+
+
+class EvaluationError(RunStopped):
+  """Too few profiles were scored for the score to mean anything."""
+
+
+RESULTS_FILE = "results.jsonl"
+SIMULATOR_EVENTS_FILE = "simulator_events.json"  # sim/* counters summed over resumed runs
+# Text from a server may hold a lone surrogate, which UTF-8 cannot encode: it is written as the
+# JSON escape `\ud800`, which reads back as the same text.
+WRITE_TEXT = dict(encoding="utf-8", errors="backslashreplace")
+RETRIES_SUCCEEDED = "sim/retries_succeeded"
 
 
 def sage_record(d: Dialogue) -> dict:
@@ -32,37 +51,51 @@ def sage_record(d: Dialogue) -> dict:
   return {"id": p.id, "emo_point": d.emotion,
           "emo_state": f"Emotion-{dynamics.emotion_state(d.emotion)}", "target": "eq",
           "player": p.player, "scene": p.scene, "character": p.main_cha, "topic": p.topic,
-          "task": p.task, "end_reason": d.end_reason, "history": d.history}
+          "task": p.task, "end_reason": d.end_reason, "history": d.history,
+          "failure": d.failure}
 
 
-def summarize(dialogues: list[Dialogue], settings: dict) -> dict:
-  scored = [d for d in dialogues if not d.failure]
-  summary = dynamics.summarize([d.emotion for d in scored])
-  for key, field in (("by_intention", "intention"), ("by_character", "main_cha")):
+def emotion_trajectory(record: dict) -> list[float]:
+  """The user's emotion after each of its turns, the opening's (initial) value first."""
+  return [turn["emotion-point"] for turn in record["history"] if turn["role"] == "user"]
+
+
+def summarize(records: Sequence[dict], profiles_by_id: dict, settings: dict,
+              simulator_events: dict) -> dict:
+  """The benchmark summary of SAGE records (failed ones listed, not scored)."""
+  scored = [r for r in records if not r.get("failure")]
+  summary = dynamics.summarize([r["emo_point"] for r in scored])
+  group_of = {"by_intention": lambda r: profiles_by_id[r["id"]].intention,
+              "by_character": lambda r: r["character"]}
+  for key, group in group_of.items():
     groups: dict[str, list[float]] = {}
-    for d in scored:
-      groups.setdefault(str(getattr(d.profile, field)), []).append(d.emotion)
+    for r in scored:
+      groups.setdefault(str(group(r)), []).append(r["emo_point"])
     summary[key] = {name: dynamics.summarize(values) for name, values in sorted(groups.items())}
-  summary["end_reasons"] = dict(collections.Counter(d.end_reason for d in scored))
-  summary["mean_agent_turns"] = (sum(d.agent_turns for d in scored) / len(scored)) if scored else 0
-  summary["failed"] = [{"id": d.profile.id, "reason": d.failure} for d in dialogues if d.failure]
+  summary["end_reasons"] = dict(collections.Counter(r["end_reason"] for r in scored))
+  agent_turns = [sum(turn["role"] == "assistant" for turn in r["history"]) for r in scored]
+  summary["mean_agent_turns"] = (sum(agent_turns) / len(scored)) if scored else 0
+  summary["failed"] = [{"id": r["id"], "reason": r["failure"]} for r in records if r.get("failure")]
   summary["n_failed"] = len(summary["failed"])
+  summary["retries_succeeded"] = simulator_events.get(RETRIES_SUCCEEDED, 0)
+  summary["simulator_events"] = simulator_events
   summary["settings"] = settings
   return summary
 
 
-def plot(dialogues: list[Dialogue], workdir: str) -> list[str]:
+def plot(records: Sequence[dict], workdir: str) -> list[str]:
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  scored = [d for d in dialogues if not d.failure]
+  scored = [r for r in records if not r.get("failure")]
+  trajectories = [emotion_trajectory(r) for r in scored]
   paths = []
   fig, ax = plt.subplots(figsize=(7, 4))
-  for d in scored:
-    ax.plot(range(len(d.emotions)), d.emotions, alpha=0.25, linewidth=1)
-  longest = max((len(d.emotions) for d in scored), default=0)
+  for emotions in trajectories:
+    ax.plot(range(len(emotions)), emotions, alpha=0.25, linewidth=1)
+  longest = max((len(emotions) for emotions in trajectories), default=0)
   if longest:
-    mean = [sum(d.emotions[min(t, len(d.emotions) - 1)] for d in scored) / len(scored)
+    mean = [sum(e[min(t, len(e) - 1)] for e in trajectories) / len(trajectories)
             for t in range(longest)]
     ax.plot(range(longest), mean, color="black", linewidth=2.5, label="mean (final value carried)")
     ax.legend(loc="best")
@@ -75,9 +108,10 @@ def plot(dialogues: list[Dialogue], workdir: str) -> list[str]:
   plt.close(fig)
 
   fig, ax = plt.subplots(figsize=(7, 4))
-  ax.hist([d.emotion for d in scored], bins=list(range(-10, 111, 10)), edgecolor="black")
+  finals = [r["emo_point"] for r in scored]
+  ax.hist(finals, bins=list(range(-10, 111, 10)), edgecolor="black")
   ax.set(xlabel="final emotion", ylabel="dialogues",
-         title=f"Final scores, mean {dynamics.summarize([d.emotion for d in scored])['score']:.1f}")
+         title=f"Final scores, mean {dynamics.summarize(finals)['score']:.1f}")
   fig.tight_layout()
   paths.append(os.path.join(workdir, "final_scores.png"))
   fig.savefig(paths[-1], dpi=110)
@@ -94,47 +128,97 @@ def evaluate(config) -> dict:
     raise ValueError("no profiles: set --config.eval.profiles=FILE.jsonl (RLVER's "
                      "test_profile.jsonl for the Sentient Benchmark)")
   os.makedirs(config.workdir, exist_ok=True)
+  e = config.eval
+  if e.limit < 0:
+    raise UserInputError(f"eval.limit={e.limit}; expected 0 (every profile) or a count")
+  if not 0 <= e.min_scored_share <= 1:
+    raise UserInputError(f"eval.min_scored_share={e.min_scored_share}; expected a share in [0, 1]")
+  profiles = profiles_lib.load_profiles(config.eval.profiles)[:e.limit or None]
+  results_path = os.path.join(config.workdir, RESULTS_FILE)
+  previous = metrics_lib.read_appended_jsonl(results_path)
+  run_config.check_and_save(config, config.workdir, resuming=bool(previous))
+  by_id = {r["id"]: r for r in previous if not r.get("failure")}  # failed ones run again
+  _write_records(results_path, list(by_id.values()))
+  events_path = os.path.join(config.workdir, SIMULATOR_EVENTS_FILE)
+  earlier_events = _read_json(events_path) if previous else {}
+  todo = [p for p in profiles if p.id not in by_id]
+  if previous:
+    logging.info("resuming %s: %d of %d profiles already scored", results_path,
+                 len(profiles) - len(todo), len(profiles))
+
   sharding.maybe_initialize_distributed()
   mesh = sharding.make_mesh(dict(config.mesh))
-  profiles = profiles_lib.load_profiles(config.eval.profiles)
   policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
                                  param_dtype=config.policy.param_dtype, mesh=mesh)
   user = simulator_factory.make_simulated_user(config.sim_user, mesh)
-  e = config.eval
+  user.check_health()  # one request: a dead simulator fails here, fast
   rollout_cfg = rollout_lib.RolloutConfig(
       samples_per_profile=1, system_prompt=e.system_prompt, thinking=e.thinking,
       max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9, temperature=e.temperature,
       top_p=e.top_p, top_k=e.top_k)
 
-  dialogues: list[Dialogue] = []
-  with tqdm(total=len(profiles), unit="dialogue", desc="eval") as bar:
-    for start in range(0, len(profiles), e.batch_size):
-      batch = profiles[start:start + e.batch_size]
+  events = dict(earlier_events)
+  with tqdm(total=len(profiles), initial=len(profiles) - len(todo), unit="dialogue",
+            desc="eval") as bar, open(results_path, "a", **WRITE_TEXT) as results_file:
+    for start in range(0, len(todo), e.batch_size):
+      batch = todo[start:start + e.batch_size]
       result = rollout_lib.collect(policy.sampler, policy.formatter, user, batch, rollout_cfg,
                                    seed=config.seed + start)
-      dialogues += result.dialogues
+      for d in result.dialogues:  # on disk as soon as the batch ends: a kill loses no more
+        by_id[d.profile.id] = sage_record(d)
+        results_file.write(json.dumps(by_id[d.profile.id], ensure_ascii=False) + "\n")
+      results_file.flush()
+      events = dict(collections.Counter(earlier_events) + collections.Counter(user.metrics))
+      _write_json(events_path, events)
       bar.update(len(batch))
-      scored = [d.emotion for d in dialogues if not d.failure]
-      bar.set_postfix(score=f"{dynamics.summarize(scored)['score']:.1f}")
+      scored = [r["emo_point"] for r in by_id.values() if not r["failure"]]
+      bar.set_postfix(score=f"{dynamics.summarize(scored)['score']:.1f}",
+                      sim_fail=sum(1 for r in by_id.values() if r["failure"]))
 
-  with open(os.path.join(config.workdir, "results.jsonl"), "w") as f:
-    for d in dialogues:
-      f.write(json.dumps(sage_record(d), ensure_ascii=False) + "\n")
+  selected = {p.id for p in profiles}
+  records = [by_id[p.id] for p in profiles]
+  _write_records(results_path, records + [r for r in by_id.values() if r["id"] not in selected])
   settings = {"checkpoint": config.policy.checkpoint, "profiles": config.eval.profiles,
-              "rules": user.rules.name, "simulator": config.sim_user.backend,
+              "limit": e.limit, "rules": user.rules.name, "simulator": config.sim_user.backend,
               "simulator_model": config.sim_user.model, "variant": config.sim_user.variant,
               "thinking": e.thinking, "system_prompt": e.system_prompt,
               "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k,
               "max_new_tokens": e.max_new_tokens, "dtype": config.policy.dtype,
-              "seed": config.seed, "simulator_events": dict(user.metrics)}
-  summary = summarize(dialogues, settings)
-  with open(os.path.join(config.workdir, "summary.json"), "w") as f:
-    json.dump(summary, f, indent=2, ensure_ascii=False)
-  summary["plots"] = plot(dialogues, config.workdir)
+              "seed": config.seed}
+  summary = summarize(records, {p.id: p for p in profiles}, settings, events)
+  _write_json(os.path.join(config.workdir, "summary.json"), summary)
+  summary["plots"] = plot(records, config.workdir)
   logging.info("score %.2f, success %.1f%%, failure %.1f%% over %d dialogues (%d failed for "
                "infrastructure reasons, not scored)", summary["score"], summary["success_rate"],
                summary["failure_rate"], summary["n"], summary["n_failed"])
+  if summary["n"] < e.min_scored_share * len(profiles):
+    reasons = "; ".join(f["reason"] for f in summary["failed"][-3:])
+    raise EvaluationError(
+        f"scored {summary['n']} of {len(profiles)} profiles, fewer than eval.min_scored_share="
+        f"{e.min_scored_share}: the simulator {simulator_factory.describe(config.sim_user)} "
+        f"failed {summary['n_failed']} dialogues (last: {reasons}). Rerun the same command to "
+        f"run the failed ones again; the scored ones are kept in {results_path}")
   return summary
+
+
+def _read_json(path: str) -> dict:
+  if not os.path.exists(path):
+    return {}
+  with open(path, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def _write_json(path: str, value: dict) -> None:
+  with open(path + ".tmp", "w", **WRITE_TEXT) as f:
+    json.dump(value, f, indent=2, ensure_ascii=False)
+  os.replace(path + ".tmp", path)
+
+
+def _write_records(path: str, records: Sequence[dict]) -> None:
+  """Replaces a JSONL file whole (a kill leaves the old one or the new one)."""
+  with open(path + ".tmp", "w", **WRITE_TEXT) as f:
+    f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+  os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

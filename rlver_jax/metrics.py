@@ -7,36 +7,61 @@ import os
 
 from absl import logging
 
+from models.errors import UserInputError
+
+TB_EVENTS_PREFIX = "events.out.tfevents"
+CURVE_KEYS = ("reward/mean", "emotion/final_mean", "success_rate")
+# Per-step simulator counters drawn together in one panel; a step without one had none.
+SIMULATOR_FAILURE_KEYS = ("dialogues/simulator_failed", "dialogues/dropped")
+SIMULATOR_RETRY_PREFIX = "sim/retries"  # sim/retries, sim/retries_succeeded, ...
+
 
 class MetricsWriter:
-  """Appends step records; on resume, drops records past the restored step first."""
+  """Appends step records to W/metrics.jsonl and TensorBoard events in W.
+
+  On resume the records past the restored step (and a last line torn by a
+  kill) are dropped, and the TensorBoard events are rewritten from the kept
+  records, so a redone step appears once in both.
+  """
 
   def __init__(self, workdir: str, resume_step: int = 0, tensorboard: bool = True):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.workdir = workdir
-    kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
-    with open(self.path, "w") as f:
-      for record in kept:
-        f.write(json.dumps(record) + "\n")
+    self._primary = _is_primary()
     self._tb = None
-    if tensorboard and _is_primary():
+    if not self._primary:
+      return
+    kept = [r for r in read_appended_jsonl(self.path) if r["step"] <= resume_step]
+    with open(self.path, "w") as f:
+      f.writelines(json.dumps(record) + "\n" for record in kept)
+    if tensorboard:
       try:
         from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(workdir)
       except ImportError:
         logging.warning("tensorboardX not installed: no TensorBoard events")
+        return
+      for name in os.listdir(workdir):
+        if name.startswith(TB_EVENTS_PREFIX):
+          os.remove(os.path.join(workdir, name))
+      self._tb = SummaryWriter(workdir)
+      for record in kept:
+        self._add_scalars(record)
+      self._tb.flush()
 
   def write(self, step: int, metrics: dict) -> None:
-    if not _is_primary():
+    if not self._primary:
       return
     record = {"step": step, **{k: _plain(v) for k, v in metrics.items()}}
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
     if self._tb is not None:
-      for key, value in record.items():
-        if key != "step" and isinstance(value, (int, float)):
-          self._tb.add_scalar(key, value, step)
+      self._add_scalars(record)
       self._tb.flush()
+
+  def _add_scalars(self, record: dict) -> None:
+    for key, value in record.items():
+      if key != "step" and isinstance(value, (int, float)):
+        self._tb.add_scalar(key, value, record["step"])
 
   def close(self) -> None:
     if self._tb is not None:
@@ -55,35 +80,72 @@ def _plain(value):
     return str(value)
 
 
-def read_metrics(path: str) -> list[dict]:
+def read_appended_jsonl(path: str) -> list[dict]:
+  """The records of a JSONL file a run appends to (metrics.jsonl, results.jsonl).
+
+  A torn last line (the run was killed while writing it) is dropped with a warning.
+  """
   if not os.path.exists(path):
     return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  with open(path, encoding="utf-8") as f:
+    lines = [(number, line) for number, line in enumerate(f, 1) if line.strip()]
+  records = []
+  for index, (number, line) in enumerate(lines):
+    try:
+      records.append(json.loads(line))
+    except json.JSONDecodeError as e:
+      if index < len(lines) - 1:
+        raise UserInputError(f"{path}:{number}: not a JSON record ({e}); repair or delete "
+                             "the line") from None
+      logging.warning("%s:%d: dropping a torn last line (the run was killed while writing "
+                      "it): %.80r", path, number, line)
+  return records
 
 
-def plot_curves(metrics_path: str, out_path: str,
-                keys=("reward/mean", "emotion/final_mean", "success_rate")) -> str | None:
-  """A PNG of the given metrics against step; returns its path (None without data)."""
-  records = read_metrics(metrics_path)
+def curve_panels(records: list[dict], keys=CURVE_KEYS) -> list[tuple[str, dict]]:
+  """(title, {key: (steps, values)}) per panel: one per metric present, then the simulator's.
+
+  The simulator panel shows failed and dropped dialogues and every retry
+  counter per step (absent from a record: none that step).
+  """
+  panels = []
+  for key in keys:
+    steps = [r["step"] for r in records if key in r]
+    if steps:
+      panels.append((key, {key: (steps, [r[key] for r in records if key in r])}))
+  simulator_keys = list(SIMULATOR_FAILURE_KEYS) + sorted(
+      {k for r in records for k in r if k.startswith(SIMULATOR_RETRY_PREFIX)})
+  if any(k in r for r in records for k in simulator_keys):
+    steps = [r["step"] for r in records]
+    panels.append(("simulator events per step",
+                   {k: (steps, [r.get(k, 0) for r in records]) for k in simulator_keys}))
+  return panels
+
+
+def plot_curves(metrics_path: str, out_path: str, keys=CURVE_KEYS) -> str | None:
+  """A PNG of the given metrics and the simulator's events against step; its path (None
+  without data)."""
+  records = read_appended_jsonl(metrics_path)
   if not records:
     return None
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
-  keys = [k for k in keys if any(k in r for r in records)]
-  fig, axes = plt.subplots(len(keys), 1, figsize=(7, 2.6 * len(keys)), sharex=True, squeeze=False)
-  for ax, key in zip(axes[:, 0], keys):
-    steps = [r["step"] for r in records if key in r]
-    values = [r[key] for r in records if key in r]
-    ax.plot(steps, values, marker=".", linewidth=1)
-    if len(values) >= 5:  # a moving average makes the trend readable
+  panels = curve_panels(records, keys)
+  fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), sharex=True,
+                           squeeze=False)
+  for ax, (title, lines) in zip(axes[:, 0], panels):
+    for label, (steps, values) in lines.items():
+      ax.plot(steps, values, marker=".", linewidth=1, label=label if len(lines) > 1 else None)
+    if len(lines) == 1 and len(values) >= 5:  # a moving average makes the trend readable
       window = max(2, len(values) // 10)
       smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
                 for i in range(len(values))]
       ax.plot(steps, smooth, linewidth=2, label=f"mean of last {window}")
+    if ax.get_legend_handles_labels()[0]:
       ax.legend(loc="best", fontsize=8)
-    ax.set_ylabel(key)
+    ax.set_ylabel(title if len(lines) == 1 else "count")
+    ax.set_title(title if len(lines) > 1 else "", fontsize=9)
     ax.grid(alpha=0.3)
   axes[-1, 0].set_xlabel("step")
   fig.suptitle(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))) or "run")

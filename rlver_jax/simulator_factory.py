@@ -52,6 +52,15 @@ def make_rules(cfg, rules: str | None = None) -> dynamics.EmotionRules:
   return dynamics.with_max_agent_turns(dynamics.get_rules(name), cfg.max_agent_turns)
 
 
+def describe(cfg) -> str:
+  """The simulator a `sim_user` section names, for error messages: its URL or backend."""
+  if cfg.backend == "openai":
+    return f"{cfg.base_url} (model {cfg.model})"
+  if cfg.backend == "flax":
+    return f"the flax simulator {cfg.checkpoint}"
+  return f"the {cfg.backend} simulator"
+
+
 def make_simulated_user(cfg, mesh=None, rules: str | None = None) -> SimulatedUser:
   prompts = PromptSet.load(cfg.templates or None, language=cfg.language, variant=cfg.variant)
   rule_set = make_rules(cfg, rules)

@@ -3,14 +3,19 @@
 Per step: sample a batch of profiles (a seeded order that survives restarts),
 run the dialogues, score them, compute values / reference logprobs where
 the algorithm needs them, advantages, then `ppo_epochs` passes of
-mini-batch updates (with gradient accumulation). Orbax checkpoints hold the
+mini-batch updates (with gradient accumulation). A step where too many
+dialogues failed for infrastructure reasons is not trained on, and too many
+such steps in a row stop the run. Orbax checkpoints (written asynchronously,
+every `checkpoint.every` steps and/or `checkpoint.every_minutes`) hold the
 policy, critic, optimizer states, step and data position; a restarted run
-resumes from the latest one. Metrics go to W/metrics.jsonl and TensorBoard,
-the reward curve to W/reward_curve.png, the final policy to W/export.
+resumes from the latest one, with the config saved in W/config.json. Metrics
+go to W/metrics.jsonl and TensorBoard, the reward curve to W/reward_curve.png,
+the final policy to W/export.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import time
 
@@ -21,6 +26,7 @@ from absl import logging
 from tqdm import tqdm
 
 from models import qwen2
+from models.errors import RunStopped
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from rl import losses
@@ -28,12 +34,51 @@ from rl import rollout as rollout_lib
 from rl import train_step
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
-from rlver_jax import sharding, simulator_factory, tiny
+from rlver_jax import run_config, sharding, simulator_factory, tiny
 from sim_user import profiles as profiles_lib
 
 
-class TrainingError(RuntimeError):
-  pass
+class TrainingError(RunStopped):
+  """The run cannot go on: too many non-finite updates, or no dialogue left to train on."""
+
+
+class SimulatorFailing(TrainingError):
+  """Too many steps in a row lost too many dialogues to simulator failures."""
+
+
+class SimulatorFailureGuard:
+  """Keeps a step whose dialogues mostly failed for infrastructure reasons out of training.
+
+  A step is trainable when at most `max_share` of its dialogues failed (ended
+  as failed or dropped by the simulator); `max_in_a_row` untrainable steps in a
+  row mean the simulator is down, and `raise_if_down` stops the run.
+  """
+
+  def __init__(self, max_share: float, max_in_a_row: int, simulator: str, reasons_kept: int = 3):
+    self.max_share, self.max_in_a_row, self.simulator = max_share, max_in_a_row, simulator
+    self.in_a_row = 0
+    self.recent_reasons = collections.deque(maxlen=reasons_kept)
+
+  def trainable(self, step: int, dialogues) -> bool:
+    failures = [d.failure for d in dialogues if d.failure]
+    share = len(failures) / max(len(dialogues), 1)
+    if share <= self.max_share:
+      self.in_a_row = 0
+      return True
+    self.in_a_row += 1
+    self.recent_reasons.extend(failures)
+    logging.warning("step %d not trained on: %d of %d dialogues failed in the simulator %s "
+                    "(more than %.0f%%; %d such step(s) in a row); last: %s", step, len(failures),
+                    len(dialogues), self.simulator, 100 * self.max_share, self.in_a_row,
+                    failures[-1])
+    return False
+
+  def raise_if_down(self) -> None:
+    if self.in_a_row >= self.max_in_a_row:
+      raise SimulatorFailing(
+          f"the simulator {self.simulator} failed more than {self.max_share:.0%} of the "
+          f"dialogues in {self.in_a_row} steps in a row (sim_user.max_failed_steps_in_a_row="
+          f"{self.max_in_a_row}); last failures: {'; '.join(self.recent_reasons)}")
 
 
 class ProfileOrder:
@@ -50,6 +95,14 @@ class ProfileOrder:
       out.append(int(order[offset]))
       self.position += 1
     return out
+
+
+def checkpoint_due(step: int, final_step: int, every: int, every_minutes: float,
+                   seconds_since_save: float) -> bool:
+  """Save after `step`? At the final step, every `every` steps and `every_minutes` after the
+  last save (0 turns either rule off)."""
+  return (step == final_step or (every > 0 and step % every == 0) or
+          (every_minutes > 0 and seconds_since_save >= 60 * every_minutes))
 
 
 def _require(value, message):
@@ -107,6 +160,13 @@ class Trainer:
     self.config = config
     _require(config.workdir, "no workdir: set --config.workdir=DIR")
     os.makedirs(config.workdir, exist_ok=True)
+    self.checkpoints = ocp.CheckpointManager(
+        os.path.abspath(os.path.join(config.workdir, "checkpoints")),
+        options=ocp.CheckpointManagerOptions(max_to_keep=config.checkpoint.keep,
+                                             enable_async_checkpointing=True,
+                                             cleanup_tmp_directories=True))
+    run_config.check_and_save(config, config.workdir,
+                              resuming=self.checkpoints.latest_step() is not None)
     sharding.maybe_initialize_distributed()
     self.mesh = sharding.make_mesh(dict(config.mesh))
     self.loss_cfg = loss_config(config)
@@ -152,14 +212,15 @@ class Trainer:
                                self.tokenizer, eos_token_id=policy.config.eos_token_id),
                            pad_id=self.tokenizer.pad_token_id or 0, mesh=self.mesh)
     self.user = simulator_factory.make_simulated_user(config.sim_user, self.mesh)
+    self.user.check_health()  # one request: a dead simulator fails here, fast
+    self.simulator_guard = SimulatorFailureGuard(
+        config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
+        simulator_factory.describe(config.sim_user))
     self.batch_multiple = self.sampler.data_parallel_size() * (
         config.optim.num_minibatches * config.optim.grad_accum)
 
-    self.checkpoints = ocp.CheckpointManager(
-        os.path.abspath(os.path.join(config.workdir, "checkpoints")),
-        options=ocp.CheckpointManagerOptions(max_to_keep=config.checkpoint.keep,
-                                             enable_async_checkpointing=False))
     self.step, self.order, self.skipped_updates = 0, ProfileOrder(len(self.profiles), config.seed), 0
+    self._last_save = time.monotonic()
     self._restore()
     self.metrics = metrics_lib.MetricsWriter(config.workdir, resume_step=self.step)
 
@@ -175,8 +236,18 @@ class Trainer:
     meta = {"step": self.step, "data_position": self.order.position, "seed": self.config.seed,
             "skipped_updates": self.skipped_updates}
     args = {k: ocp.args.StandardSave(v) for k, v in self._state().items()}
+    # Returns once the arrays are copied off the device; the files are written in the background.
     self.checkpoints.save(self.step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
-    self.checkpoints.wait_until_finished()
+    self._last_save = time.monotonic()
+
+  def _checkpoint_due(self) -> bool:
+    c = self.config.checkpoint
+    due = checkpoint_due(self.step, self.config.steps, c.every, c.every_minutes,
+                         seconds_since_save=time.monotonic() - self._last_save)
+    if jax.process_count() > 1:  # clocks differ: every host follows the first one's decision
+      from jax.experimental import multihost_utils
+      due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
+    return due
 
   def _restore(self) -> None:
     latest = self.checkpoints.latest_step()
@@ -205,9 +276,13 @@ class Trainer:
     self.sampler.update_weights(self.policy.params)
     rollout = rollout_lib.collect(self.sampler, self.formatter, self.user, chosen,
                                   self.rollout_cfg, seed=config.seed * 100_003 + step)
-    if step == config.crash_at_step:
-      logging.warning("crash_at_step=%d: killing the process mid-step", step)
-      os.kill(os.getpid(), 9)
+    sim_events = {key: count - sim_counts_before.get(key, 0)  # this step's simulator events
+                  for key, count in self.user.metrics.items()}
+    rollout_metrics = {**rollout.metrics, **sim_events, "tokens_per_s": rollout.metrics[
+        "tokens/generated"] / max(rollout.metrics["time/rollout"], 1e-9)}
+    if not self.simulator_guard.trainable(step, rollout.dialogues):
+      self.step = step
+      return {**rollout_metrics, "untrained/simulator": 1}
     if not rollout.samples:
       raise TrainingError(f"step {step}: every dialogue was dropped by the simulator")
 
@@ -242,42 +317,45 @@ class Trainer:
                             f"max_skipped_updates={config.max_skipped_updates}; stopping")
     finite = [m for m in update_metrics if m["finite"] >= 1] or update_metrics
     mean = lambda key: float(np.mean([m[key] for m in finite])) if key in finite[0] else 0.0
-    out = dict(rollout.metrics)
+    out = dict(rollout_metrics)
     out.update({
         "kl": mean("kl"), "approx_kl": mean("approx_kl"), "entropy": mean("entropy"),
         "clip_frac": mean("clip_frac"), "pg_loss": mean("pg_loss"),
         "value_loss": mean("value_loss"), "grad_norm": mean("grad_norm"),
         "skipped_updates": skipped, "time/train": train_seconds,
-        "tokens_per_s": rollout.metrics["tokens/generated"] / max(
-            rollout.metrics["time/rollout"], 1e-9),
-        "samples": len(rollout.samples),
+        "samples": len(rollout.samples), "untrained/simulator": 0,
     })
-    for key, count in self.user.metrics.items():  # this step's simulator events
-      out[key] = count - sim_counts_before.get(key, 0)
     self.step = step
     return out
 
   def run(self) -> None:
     config = self.config
     bar = tqdm(total=config.steps, initial=self.step, unit="step", desc="train")
-    while self.step < config.steps:
-      step_start = time.perf_counter()
-      step_metrics = self.train_step()
-      step_metrics["time/step"] = time.perf_counter() - step_start
-      self.metrics.write(self.step, step_metrics)
-      if self.step % config.checkpoint.every == 0 or self.step == config.steps:
-        self._save()
-        metrics_lib.plot_curves(self.metrics.path, os.path.join(config.workdir, "reward_curve.png"))
-      bar.update(1)
-      bar.set_postfix(reward=f"{step_metrics['reward/mean']:.2f}",
-                      emotion=f"{step_metrics['emotion/final_mean']:.1f}",
-                      s_per_step=f"{step_metrics['time/step']:.1f}")
-      if self.step % config.log_every == 0:
-        logging.info("step %d: reward %.3f, final emotion %.1f, turns %.1f, %.1f tok/s",
-                     self.step, step_metrics["reward/mean"], step_metrics["emotion/final_mean"],
-                     step_metrics["turns/mean"], step_metrics["tokens_per_s"])
-    bar.close()
-    self.metrics.close()
+    try:
+      while self.step < config.steps:
+        step_start = time.perf_counter()
+        step_metrics = self.train_step()
+        step_metrics["time/step"] = time.perf_counter() - step_start
+        self.metrics.write(self.step, step_metrics)
+        if self._checkpoint_due():
+          self._save()
+          metrics_lib.plot_curves(self.metrics.path,
+                                  os.path.join(config.workdir, "reward_curve.png"))
+        sim_failed = step_metrics["dialogues/simulator_failed"] + step_metrics["dialogues/dropped"]
+        bar.update(1)
+        bar.set_postfix(reward=f"{step_metrics['reward/mean']:.2f}",
+                        emotion=f"{step_metrics['emotion/final_mean']:.1f}",
+                        sim_fail=sim_failed, s_per_step=f"{step_metrics['time/step']:.1f}")
+        if self.step % config.log_every == 0:
+          logging.info("step %d: reward %.3f, final emotion %.1f, turns %.1f, %.1f tok/s, "
+                       "%d simulator failure(s)", self.step, step_metrics["reward/mean"],
+                       step_metrics["emotion/final_mean"], step_metrics["turns/mean"],
+                       step_metrics["tokens_per_s"], sim_failed)
+        self.simulator_guard.raise_if_down()
+    finally:  # a run that stops still leaves its last checkpoint whole
+      bar.close()
+      self.checkpoints.wait_until_finished()
+      self.metrics.close()
     plot = metrics_lib.plot_curves(self.metrics.path,
                                    os.path.join(config.workdir, "reward_curve.png"))
     if config.checkpoint.export_at_end:
@@ -287,3 +365,4 @@ class Trainer:
         self.tokenizer.save_pretrained(export)
       logging.info("policy exported to %s", export)
     logging.info("done: %d steps, metrics %s, plot %s", self.step, self.metrics.path, plot)
+    self.checkpoints.close()

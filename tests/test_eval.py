@@ -7,7 +7,10 @@ import pytest
 
 from configs import eval as eval_config
 from rlver_jax import eval as evaluator
+from rlver_jax import metrics as metrics_lib
 from rlver_jax import tiny
+from rl import rollout as rollout_lib
+from models.errors import UserInputError
 from sim_user import dynamics, profiles, replay
 
 SAGE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "sage")
@@ -25,17 +28,15 @@ def test_summary_math_on_the_recorded_benchmark():
     assert summary["score"] == pytest.approx(score)
 
 
-def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve):
-  server = serve(["500", "malformed"])  # every prompt fails twice before it is answered
+def _write_profiles(path, cohort):
+  path.write_text("".join(json.dumps({**p.__dict__, "cha_group": list(p.cha_group)}) + "\n"
+                          for p in cohort))
+  return str(path)
+
+
+def _config(tmp_path, server, profile_file):
   checkpoint = tmp_path / "policy"
   tiny.write_checkpoint(str(checkpoint), seed=3)
-  demo = profiles.load_profiles(profiles.DEMO_PROFILES)[:3]
-  cohort = [profiles.Profile(**{**p.__dict__, "player": p.player + " VARY"}) for p in demo]
-  cohort.append(profiles.Profile(**{**demo[0].__dict__, "id": "broken",
-                                    "player": demo[0].player + " ALWAYS_500"}))
-  profile_file = tmp_path / "profiles.jsonl"
-  profile_file.write_text("".join(json.dumps({**p.__dict__, "cha_group": list(p.cha_group)}) + "\n"
-                                  for p in cohort))
   config = eval_config.get_config()
   config.workdir = str(tmp_path / "eval")
   config.policy.checkpoint = str(checkpoint)
@@ -49,11 +50,52 @@ def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve):
   config.sim_user.http_retries = 3
   config.sim_user.backoff_s = 0.01
   config.sim_user.timeout_s = 5.0
-  summary = evaluator.evaluate(config)
+  return config
 
+
+def _varied_demo_profiles():
+  demo = profiles.load_profiles(profiles.DEMO_PROFILES)
+  return [profiles.Profile(**{**p.__dict__, "player": p.player + " VARY"}) for p in demo]
+
+
+def _count_collected(monkeypatch):
+  """The ids of the profiles evaluate() runs dialogues for, in order."""
+  ran, collect = [], rollout_lib.collect
+  def counting(sampler, formatter, user, batch, *args, **kwargs):
+    ran.extend(p.id for p in batch)
+    return collect(sampler, formatter, user, batch, *args, **kwargs)
+  monkeypatch.setattr(rollout_lib, "collect", counting)
+  return ran
+
+
+def _read_results(workdir):
+  return [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
+
+
+def test_results_with_a_lone_surrogate_are_written_and_read_back(tmp_path):
+  records = [{"id": "a", "history": [{"role": "user", "content": "bad \ud800 text"}]}]
+  evaluator._write_records(str(tmp_path / "results.jsonl"), records)
+  assert metrics_lib.read_appended_jsonl(str(tmp_path / "results.jsonl")) == records
+
+
+def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatch):
+  server = serve(["500", "malformed"])  # every prompt fails twice before it is answered
+  demo = profiles.load_profiles(profiles.DEMO_PROFILES)
+  cohort = _varied_demo_profiles()[:3]
+  cohort.append(profiles.Profile(**{**demo[0].__dict__, "id": "broken",
+                                    "player": demo[0].player + " ALWAYS_500"}))
+  config = _config(tmp_path, server, _write_profiles(tmp_path / "profiles.jsonl", cohort))
+  # 3 of 4 scored is fewer than the default eval.min_scored_share=0.9: an error, after the
+  # results and summary are written.
+  with pytest.raises(evaluator.EvaluationError, match=rf"scored 3 of 4 profiles.*{server.url}"):
+    evaluator.evaluate(config)
   workdir = tmp_path / "eval"
-  records = [json.loads(line) for line in (workdir / "results.jsonl").read_text().splitlines()]
+  with open(workdir / "summary.json") as f:
+    summary = json.load(f)
+
+  records = _read_results(workdir)
   assert [r["id"] for r in records] == [p.id for p in cohort]
+  assert [r["failure"] is None for r in records] == [True, True, True, False]
   assert {"id", "emo_point", "emo_state", "history", "task", "player", "scene"} <= set(records[0])
   user_turns = [t for t in records[0]["history"] if t["role"] == "user" and "planning" in t]
   assert user_turns and {"content", "TargetCompletion", "activity", "analyse", "change"} == set(
@@ -75,5 +117,40 @@ def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve):
       "sage_benchmark")
   for name in ("emotion_trajectories.png", "final_scores.png"):
     assert (workdir / name).stat().st_size > 1000
-  with open(workdir / "summary.json") as f:
-    assert json.load(f)["score"] == summary["score"]
+  http_500s = summary["simulator_events"]["sim/backend_errors/http_500"]
+  assert http_500s > 0 and summary["retries_succeeded"] == summary["simulator_events"].get(
+      "sim/retries_succeeded", 0)
+
+  # Rerun: the scored profiles are kept, only the failed one runs again (and fails again).
+  config.eval.min_scored_share = 0.75
+  ran = _count_collected(monkeypatch)
+  rerun = evaluator.evaluate(config)
+  assert ran == ["broken"]
+  assert _read_results(workdir) == records  # the same records, in profile order
+  assert (rerun["n"], rerun["n_failed"], rerun["score"]) == (3, 1, summary["score"])
+  assert rerun["simulator_events"]["sim/backend_errors/http_500"] == 2 * http_500s  # summed
+
+
+def test_evaluator_resumes_after_a_kill_and_limit_runs_the_first_n(tmp_path, serve, monkeypatch,
+                                                                    caplog):
+  server = serve([])
+  cohort = _varied_demo_profiles()
+  config = _config(tmp_path, server, _write_profiles(tmp_path / "profiles.jsonl", cohort))
+  config.eval.limit = 2
+  ran = _count_collected(monkeypatch)
+  assert evaluator.evaluate(config)["n"] == 2
+  workdir = tmp_path / "eval"
+  first = _read_results(workdir)
+  assert [r["id"] for r in first] == [p.id for p in cohort[:2]]
+  with open(workdir / "results.jsonl", "a") as f:
+    f.write('{"id": "' + cohort[2].id + '", "emo_p')  # killed while writing the third
+
+  config.eval.limit = 3
+  summary = evaluator.evaluate(config)
+  assert "torn last line" in caplog.text
+  assert ran == [p.id for p in cohort[:3]]  # each profile ran once
+  assert _read_results(workdir)[:2] == first and summary["n"] == 3
+
+  config.eval.max_new_tokens = 7  # a different evaluation in the same workdir
+  with pytest.raises(UserInputError, match=r"eval.max_new_tokens: 6 -> 7"):
+    evaluator.evaluate(config)

@@ -1,15 +1,24 @@
-"""The trainer end to end on the demo config: learning, resume after a kill, 8 devices."""
+"""The trainer end to end on the demo config: learning, resume after a kill, 8 devices; a dead
+simulator; metrics and config files across resumes."""
 
+import json
 import os
+import signal
+import struct
 import subprocess
 import sys
+import time
+import types
 
+import jax
 import numpy as np
 import pytest
 
 from configs import demo, ppo, grpo
+from models.errors import UserInputError
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import trainer
+from rlver_jax import run_config, trainer
+from sim_user import profiles as profiles_lib
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -32,7 +41,7 @@ def small_demo(workdir, **overrides):
 
 
 def read_metrics(workdir):
-  return metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  return metrics_lib.read_appended_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
 
 REQUIRED_METRICS = ("step", "reward/mean", "emotion/final_mean", "success_rate", "failure_rate",
@@ -44,6 +53,8 @@ def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path):
   trainer.Trainer(small_demo(tmp_path)).run()
   records = read_metrics(tmp_path)
   assert [r["step"] for r in records] == [1, 2, 3]
+  with open(tmp_path / "config.json") as f:
+    assert json.load(f)["steps"] == 3
   for key in REQUIRED_METRICS:
     assert all(np.isfinite(r[key]) for r in records), key
   assert records[0]["value_loss"] > 0
@@ -72,20 +83,179 @@ def test_grpo_and_thinking_modes_run(tmp_path):
   assert records[0]["samples"] > 4  # one sample per agent turn
 
 
-def test_killed_run_resumes_from_its_last_checkpoint(tmp_path):
+def _wait_for(condition, process, timeout_s=600):
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert process.poll() is None, "the training process ended early"
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.05)
+
+
+def test_killed_run_redoes_only_the_step_in_flight(tmp_path):
   args = [sys.executable, "-m", "rlver_jax.main", f"--config={ROOT}/configs/demo.py",
           f"--config.workdir={tmp_path}", "--config.steps=4", "--config.batch_size=4",
           "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1",
           "--config.mesh.fsdp=1"]
   env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  first = subprocess.run(args + ["--config.crash_at_step=3"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=600)
-  assert first.returncode == -9, first.stderr[-2000:]
-  assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+  with open(tmp_path / "first.log", "w") as log:
+    first = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log)
+    try:  # SIGKILL in step 3, once step 2 is logged and its checkpoint written
+      _wait_for(lambda: (tmp_path / "checkpoints" / "2").is_dir() and
+                len(read_metrics(tmp_path)) >= 2, first)
+    finally:
+      first.kill()
+      first.wait()
+  assert first.returncode == -signal.SIGKILL
+  before = read_metrics(tmp_path)
+  assert [r["step"] for r in before] == list(range(1, len(before) + 1)), before
+
+  # The workdir's saved config refuses a different recipe, naming the field.
+  with pytest.raises(UserInputError, match=r"rl.clip_ratio: 0.2 -> 0.3.*resume_mismatch_ok"):
+    trainer.Trainer(small_demo(tmp_path, **{"rl.clip_ratio": 0.3}))
+
   second = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert second.returncode == 0, second.stderr[-2000:]
-  assert "resumed from" in second.stderr and "at step 2" in second.stderr
-  assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]
+  resumed_at = int(second.stderr.split("resumed from")[1].split("at step ")[1].split()[0])
+  assert resumed_at >= 2
+  after = read_metrics(tmp_path)
+  assert [r["step"] for r in after] == [1, 2, 3, 4]
+  assert after[:resumed_at] == before[:resumed_at]  # steps before the checkpoint: kept, not redone
+
+
+def _profiles_file(path, suffix):
+  """The demo profiles, each persona ending in `suffix` (the fake server's fault switch)."""
+  demo_profiles = profiles_lib.load_profiles(profiles_lib.DEMO_PROFILES)
+  path.write_text("".join(json.dumps({**p.__dict__, "player": p.player + suffix,
+                                      "cha_group": list(p.cha_group)}) + "\n"
+                          for p in demo_profiles))
+  return str(path)
+
+
+def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, serve, capsys):
+  server = serve([])
+  config = small_demo(tmp_path / "run", **{
+      "data.train_profiles": _profiles_file(tmp_path / "profiles.jsonl", " ALWAYS_500"),
+      "sim_user.backend": "openai", "sim_user.base_url": server.url, "sim_user.http_retries": 0,
+      "sim_user.backoff_s": 0.01, "sim_user.timeout_s": 5.0, "sim_user.parse_retries": 0,
+      "sim_user.max_failed_steps_in_a_row": 2})
+  config.steps = 5
+  run = trainer.Trainer(config)
+  initial = np.asarray(jax.tree.leaves(run.policy.params)[0])
+  with pytest.raises(trainer.SimulatorFailing) as error:
+    run.run()
+  assert server.url in str(error.value) and "http_500" in str(error.value)
+  assert "sim_fail=4" in capsys.readouterr().err  # the progress bar
+  records = read_metrics(tmp_path / "run")
+  assert [r["step"] for r in records] == [1, 2]
+  assert all(r["untrained/simulator"] == 1 and r["dialogues/simulator_failed"] == 4 and
+             "pg_loss" not in r for r in records)
+  np.testing.assert_array_equal(np.asarray(jax.tree.leaves(run.policy.params)[0]), initial)
+  assert not (tmp_path / "run" / "export").exists()
+
+
+def test_simulator_guard_skips_mostly_failed_steps_and_stops_after_k_in_a_row():
+  guard = trainer.SimulatorFailureGuard(0.5, 2, "http://sim:8000/v1")
+  dialogues = lambda *failures: [types.SimpleNamespace(failure=f) for f in failures]
+  assert guard.trainable(1, dialogues(None, "a", "b", None))  # half failed: trained on
+  assert not guard.trainable(2, dialogues("c", "d", None))
+  guard.raise_if_down()  # one bad step: not yet
+  assert guard.trainable(3, dialogues(None))  # a good step resets the count
+  assert not guard.trainable(4, dialogues("e", "f", None))
+  guard.raise_if_down()
+  assert not guard.trainable(5, dialogues("g", "h"))
+  with pytest.raises(trainer.SimulatorFailing,
+                     match=r"http://sim:8000/v1 .* 2 steps in a row.*last failures: f; g; h"):
+    guard.raise_if_down()
+
+
+def test_checkpoints_are_due_by_steps_by_minutes_and_at_the_end():
+  due = lambda step, every, minutes, seconds: trainer.checkpoint_due(step, 100, every, minutes,
+                                                                      seconds)
+  assert [s for s in range(1, 11) if due(s, 4, 0, 0)] == [4, 8]
+  assert due(3, 0, 10, 600) and not due(3, 0, 10, 599) and not due(3, 0, 0, 10**6)
+  assert due(100, 0, 0, 0)
+
+
+def _tensorboard_points(workdir):
+  """(tag, step) of every scalar in the TFRecord event files of `workdir`."""
+  from tensorboardX.proto import event_pb2
+  points = []
+  for name in os.listdir(workdir):
+    if not name.startswith(metrics_lib.TB_EVENTS_PREFIX):
+      continue
+    data = (workdir / name).read_bytes()
+    offset = 0
+    while offset < len(data):
+      (length,) = struct.unpack("<Q", data[offset:offset + 8])
+      event = event_pb2.Event.FromString(data[offset + 12:offset + 12 + length])
+      offset += 12 + length + 4
+      points += [(value.tag, event.step) for value in event.summary.value]
+  return points
+
+
+def test_resume_drops_a_torn_line_and_tensorboard_keeps_one_point_per_step(tmp_path, caplog):
+  writer = metrics_lib.MetricsWriter(str(tmp_path))
+  for step in (1, 2, 3):
+    writer.write(step, {"reward/mean": float(step)})
+  writer.close()
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 4, "reward/me')  # killed while writing step 4
+  writer = metrics_lib.MetricsWriter(str(tmp_path), resume_step=2)  # the checkpoint had step 2
+  assert "torn last line" in caplog.text
+  for step in (3, 4):
+    writer.write(step, {"reward/mean": 10.0 * step})
+  writer.close()
+  records = read_metrics(tmp_path)
+  assert [(r["step"], r["reward/mean"]) for r in records] == [(1, 1.0), (2, 2.0), (3, 30.0),
+                                                              (4, 40.0)]
+  assert sorted(_tensorboard_points(tmp_path)) == [("reward/mean", s) for s in (1, 2, 3, 4)]
+
+
+def test_a_corrupt_line_before_the_last_is_an_error_naming_it(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"st\n{"step": 3}\n')
+  with pytest.raises(UserInputError, match=r"metrics.jsonl:2: not a JSON record"):
+    metrics_lib.MetricsWriter(str(tmp_path), resume_step=3)
+
+
+def test_reward_curve_has_a_panel_of_simulator_failures_and_retries(tmp_path):
+  records = [{"step": 1, "reward/mean": 0.1, "dialogues/simulator_failed": 0,
+              "dialogues/dropped": 0},
+             {"step": 2, "reward/mean": 0.2, "dialogues/simulator_failed": 3,
+              "dialogues/dropped": 1, "sim/retries": 5, "sim/retries_succeeded": 4}]
+  panels = dict(metrics_lib.curve_panels(records))
+  assert list(panels) == ["reward/mean", "simulator events per step"]
+  assert panels["simulator events per step"] == {
+      "dialogues/simulator_failed": ([1, 2], [0, 3]), "dialogues/dropped": ([1, 2], [0, 1]),
+      "sim/retries": ([1, 2], [0, 5]), "sim/retries_succeeded": ([1, 2], [0, 4])}
+  (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+  out = metrics_lib.plot_curves(str(tmp_path / "metrics.jsonl"), str(tmp_path / "curve.png"))
+  assert os.path.getsize(out) > 1000
+
+
+def test_resuming_with_a_different_config_is_refused_listing_the_fields(tmp_path):
+  workdir = str(tmp_path)
+  run_config.check_and_save(ppo.get_config(), workdir, resuming=False)
+  with open(tmp_path / "config.json") as f:
+    assert json.load(f)["rl"]["algorithm"] == "ppo"
+  extended = ppo.get_config()
+  extended.steps, extended.checkpoint.every, extended.sim_user.base_url = 2000, 1, "http://b/v1"
+  run_config.check_and_save(extended, workdir, resuming=True)  # allowed differences
+
+  changed = ppo.get_config()
+  changed.rl.algorithm, changed.policy.checkpoint = "grpo", "/ckpt/other"
+  with pytest.raises(UserInputError) as error:
+    run_config.check_and_save(changed, workdir, resuming=True)
+  message = str(error.value)
+  assert "rl.algorithm: 'ppo' -> 'grpo'" in message
+  assert "policy.checkpoint: '' -> '/ckpt/other'" in message
+  assert "steps:" not in message and "checkpoint.every" not in message
+  assert "--config.resume_mismatch_ok=True" in message
+  run_config.check_and_save(changed, workdir, resuming=False)  # a fresh run: no check
+  changed.rl.algorithm = "ppo"
+  changed.resume_mismatch_ok = True
+  run_config.check_and_save(changed, workdir, resuming=True)  # the override
+  with open(tmp_path / "config.json") as f:
+    assert json.load(f)["rl"]["algorithm"] == "ppo"
 
 
 def test_eight_devices_match_one(tmp_path):

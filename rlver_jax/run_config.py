@@ -1,0 +1,81 @@
+"""A run's resolved config, saved as W/config.json, and the check that a resume uses the same.
+
+Resuming a workdir with a different config (PPO resumed as GRPO, another
+model, another learning rate) would silently mix two runs; it is refused with
+the differing fields listed unless `--config.resume_mismatch_ok=True` says it
+is intended. The fields in RESUMABLE_FIELDS may differ: they change how long,
+where, how often or how robustly a run works, not what it learns or measures.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from absl import logging
+
+from models.errors import UserInputError
+
+CONFIG_FILE = "config.json"
+OVERRIDE_FLAG = "resume_mismatch_ok"
+# Dotted field names; a name ending in "." covers its whole section.
+RESUMABLE_FIELDS = (
+    OVERRIDE_FLAG, "workdir", "steps", "log_every", "max_skipped_updates", "checkpoint.",
+    "mesh.", "policy.remat",
+    "sim_user.base_url", "sim_user.api_key_env", "sim_user.max_concurrency",
+    "sim_user.timeout_s", "sim_user.http_retries", "sim_user.backoff_s",
+    "sim_user.max_failed_share", "sim_user.max_failed_steps_in_a_row",
+    "eval.limit", "eval.min_scored_share", "eval.batch_size",
+)
+
+
+def as_json(config) -> dict:
+  """A ConfigDict as the nested dict its JSON file holds."""
+  return json.loads(config.to_json_best_effort())
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+  """{dotted field: value} of a nested dict."""
+  out = {}
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      out.update(flatten(value, f"{prefix}{key}."))
+    else:
+      out[f"{prefix}{key}"] = value
+  return out
+
+
+def resumable(field: str) -> bool:
+  return any(field == allowed or (allowed.endswith(".") and field.startswith(allowed))
+             for allowed in RESUMABLE_FIELDS)
+
+
+def differing_fields(saved: dict, current: dict) -> list[str]:
+  """Fields outside RESUMABLE_FIELDS whose values differ (or exist on one side only)."""
+  absent = object()
+  return [k for k in sorted(set(saved) | set(current))
+          if not resumable(k) and saved.get(k, absent) != current.get(k, absent)]
+
+
+def check_and_save(config, workdir: str, resuming: bool) -> None:
+  """Refuses a resume whose config differs from W/config.json; then saves this one there."""
+  path = os.path.join(workdir, CONFIG_FILE)
+  tree = as_json(config)
+  current = flatten(tree)
+  if resuming and os.path.exists(path):
+    with open(path) as f:
+      saved = flatten(json.load(f))
+    differing = differing_fields(saved, current)
+    if differing:
+      listing = "; ".join(f"{k}: {saved.get(k, '(absent)')!r} -> {current.get(k, '(absent)')!r}"
+                          for k in differing)
+      if not config.get(OVERRIDE_FLAG, False):
+        raise UserInputError(
+            f"{path}: this workdir holds a run with a different config ({listing}); use another "
+            f"--config.workdir, or pass --config.{OVERRIDE_FLAG}=True to resume it anyway")
+      logging.warning("resuming with a different config (%s=True): %s", OVERRIDE_FLAG, listing)
+  import jax
+  if jax.process_index() == 0:
+    with open(path + ".tmp", "w") as f:
+      json.dump(tree, f, indent=2, sort_keys=True)
+    os.replace(path + ".tmp", path)
