@@ -26,8 +26,8 @@ from absl import logging
 from tqdm import tqdm
 
 from models import qwen2
-from models.errors import RunStopped
 from models.chat import ChatFormatter
+from models.errors import RunStopped
 from models.sampler import Sampler
 from rl import losses
 from rl import rollout as rollout_lib
