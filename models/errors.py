@@ -6,3 +6,7 @@ class UserInputError(ValueError):
 
   The message names the file, line or field at fault and what would be accepted.
   """
+
+
+class MissingInputError(UserInputError, FileNotFoundError):
+  """A file or directory that the user named, or that one must contain, is not there."""
