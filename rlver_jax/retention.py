@@ -183,7 +183,7 @@ def _validate(obj, task: str, where: str) -> dict:
       if value_type and (not isinstance(value, value_type) or isinstance(value, bool)):
         found = f"has {value!r}" if "value" in check else "has none"
         raise RetentionDataError(f"{where}: instructions[{k}].value: {check['type']} needs a "
-                                 f"{value_type.__name__} 'value', the item {found}")
+                                 f"'value' of type {value_type.__name__}; the item {found}")
     return {"prompt": obj["prompt"], "instructions": instructions}
   raise RetentionDataError(f"unknown retention task {task!r}; expected math or ifeval")
 

@@ -1,7 +1,6 @@
 """The Sentient Benchmark evaluator and its summary math."""
 
 import json
-import os
 
 import pytest
 
@@ -9,6 +8,7 @@ from configs import eval as eval_config
 from rlver_jax import eval as evaluator
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, replay
+
 
 def test_summary_math_on_the_recorded_benchmark(shared_data):
   expected = {"deepseek-v3-1227_result.jsonl": (37.55, 5, 39),
