@@ -139,8 +139,8 @@ def test_training_cli_reports_missing_tokenizer_files_in_one_line(tmp_path):
   directory = tokenizer_dir(tmp_path, 1024)
   os.remove(os.path.join(directory, "tokenizer.json"))
   code, stderr = run_cli("rlver_jax.main", f"--config.workdir={tmp_path / 'w'}",
-                         "--config.policy.tiny_init=False", f"--config.policy.checkpoint={directory}",
-                         "--config.mesh.fsdp=1")
+                         "--config.policy.tiny_init=False", "--config.mesh.fsdp=1",
+                         f"--config.policy.checkpoint={directory}")
   assert code == 1
   assert last_line_only_error(stderr) == (
       f"error: {directory}: no tokenizer files (none of tokenizer.json, vocab.json, "
