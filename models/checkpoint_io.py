@@ -47,10 +47,10 @@ def read_hf_config(path: str) -> dict:
   config_path = os.path.join(path, "config.json")
   if not os.path.exists(config_path):
     raise MissingInputError(f"{path}: no config.json (is this an HF checkpoint directory?)")
-  with open(config_path) as f:
+  with open(config_path, encoding="utf-8") as f:
     try:
       return json.load(f)
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
       raise UserInputError(f"{config_path}: invalid JSON: {e}") from None
 
 

@@ -99,10 +99,13 @@ def test_a_sound_file_still_reads(tmp_path):
   np.testing.assert_array_equal(st.read("a"), np.arange(6).reshape(2, 3))
 
 
-def test_missing_checkpoint_is_a_user_error_and_still_a_file_not_found(tmp_path):
+def test_checkpoint_directory_errors_are_user_errors(tmp_path):
   with pytest.raises(MissingInputError, match="does not exist") as error:
     checkpoint_io.read_hf_config(str(tmp_path / "nowhere"))
-  assert isinstance(error.value, FileNotFoundError) and isinstance(error.value, UserInputError)
+  assert isinstance(error.value, FileNotFoundError)  # what callers caught before
+  (tmp_path / "config.json").write_bytes(b'{"vocab_size": "\xff"}')
+  with pytest.raises(UserInputError, match="config.json: invalid JSON"):
+    checkpoint_io.read_hf_config(str(tmp_path))
 
 
 # Tokenizers.
