@@ -23,8 +23,8 @@ def load_tokenizer(path: str):
 
   Without tokenizer files transformers quietly builds an empty tokenizer from
   config.json, and a tokenizer larger than the model's vocabulary yields ids
-  past the embedding table (silently clamped under jit): both are
-  UserInputErrors naming the directory.
+  past the embedding table (no error under jit, only wrong embeddings): both
+  are UserInputErrors naming the directory.
   """
   from transformers import AutoTokenizer
   if not os.path.isdir(path):
