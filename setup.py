@@ -14,6 +14,7 @@ setup(
         "optax",
         "orbax-checkpoint",
         "transformers>=4.45",
+        "jinja2",  # transformers' apply_chat_template renders the chat templates with it
         "tokenizers",
         "sentencepiece",
         "tensorflow-datasets",
@@ -23,6 +24,7 @@ setup(
         "numpy",
         "tqdm",
         "tensorboardX",
+        "tensorboard",  # the README's `tensorboard --logdir` viewer
         "matplotlib",
     ],
     extras_require={

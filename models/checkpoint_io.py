@@ -22,6 +22,7 @@ from jax.experimental import multihost_utils
 
 from models import partitioning
 from models import safetensors_io
+from models.errors import MissingInputError, UserInputError
 
 Path = tuple  # a path into an nnx state, e.g. ("backbone", "layers", 0, "attn", "q_proj")
 
@@ -42,15 +43,15 @@ def _format_names(names: Sequence[str], limit: int = 20) -> str:
 
 def read_hf_config(path: str) -> dict:
   if not os.path.isdir(path):
-    raise FileNotFoundError(f"checkpoint directory {path!r} does not exist")
+    raise MissingInputError(f"checkpoint directory {path!r} does not exist")
   config_path = os.path.join(path, "config.json")
   if not os.path.exists(config_path):
-    raise FileNotFoundError(f"{path}: no config.json (is this an HF checkpoint directory?)")
-  with open(config_path) as f:
+    raise MissingInputError(f"{path}: no config.json (is this an HF checkpoint directory?)")
+  with open(config_path, encoding="utf-8") as f:
     try:
       return json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{config_path}: invalid JSON: {e}") from e
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise UserInputError(f"{config_path}: invalid JSON: {e}") from None
 
 
 def load(path: str, *, build_model: Callable[[], nnx.Module], mappings: Sequence[TensorMapping],
@@ -75,7 +76,7 @@ def load(path: str, *, build_model: Callable[[], nnx.Module], mappings: Sequence
       lines.append(f"missing tensors ({len(missing)}): {_format_names(missing)}")
     if unexpected:
       lines.append(f"unexpected tensors ({len(unexpected)}): {_format_names(unexpected)}")
-    raise ValueError("\n".join(lines))
+    raise UserInputError("\n".join(lines))
   unmapped = set(flat) - {m.path for m in mappings} - set(zero_init)
   if unmapped:
     raise AssertionError(f"model state paths with no checkpoint mapping: {sorted(unmapped)}")
@@ -93,7 +94,7 @@ def load(path: str, *, build_model: Callable[[], nnx.Module], mappings: Sequence
     st = tensors[mapping.hf_name]
     expected_hf_shape = jax.eval_shape(mapping.to_hf, expected).shape
     if st.shape(mapping.hf_name) != tuple(expected_hf_shape):
-      raise ValueError(
+      raise UserInputError(
           f"{st.path}: tensor {mapping.hf_name} has shape {st.shape(mapping.hf_name)}, "
           f"the config in {path}/config.json implies {tuple(expected_hf_shape)}")
     host = np.asarray(mapping.to_ours(st.read(mapping.hf_name))).astype(expected.dtype)

@@ -11,3 +11,7 @@ class UserInputError(ValueError):
 class RunStopped(RuntimeError):
   """A run that stopped on purpose for a stated reason (a dead simulator, too many failed
   updates, too few scored profiles): the CLIs report it as one line and exit non-zero."""
+
+
+class MissingInputError(UserInputError, FileNotFoundError):
+  """A file or directory that the user named, or that one must contain, is not there."""

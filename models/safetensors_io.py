@@ -7,6 +7,7 @@ being placed; no framework tensors are built.
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -14,6 +15,8 @@ from typing import Iterable, Mapping
 
 import ml_dtypes
 import numpy as np
+
+from models.errors import MissingInputError, UserInputError
 
 _DTYPES = {
     "F64": np.dtype(np.float64),
@@ -31,23 +34,53 @@ _NAMES = {v: k for k, v in _DTYPES.items()}
 
 
 class SafetensorsFile:
-  """One .safetensors file: `names()`, `shape(name)`, `read(name)` (a read-only view)."""
+  """One .safetensors file: `names()`, `shape(name)`, `read(name)` (a read-only view).
+
+  The header is checked against the file's size on opening, so a truncated
+  file or a corrupt header is reported (UserInputError) before any tensor is read.
+  """
 
   def __init__(self, path: str | os.PathLike):
     self.path = os.fspath(path)
     with open(self.path, "rb") as f:
-      raw_len = f.read(8)
-      if len(raw_len) != 8:
-        raise ValueError(f"{self.path}: not a safetensors file (shorter than its header)")
-      (header_len,) = struct.unpack("<Q", raw_len)
+      file_size = os.fstat(f.fileno()).st_size
+      if file_size < 8:
+        raise UserInputError(f"{self.path}: not a safetensors file ({file_size} bytes, shorter "
+                             "than its 8-byte header length)")
+      (header_len,) = struct.unpack("<Q", f.read(8))
+      if header_len > file_size - 8:
+        raise UserInputError(f"{self.path}: header claims {header_len} bytes but the file has "
+                             f"{file_size} (truncated or not a safetensors file)")
       try:
         header = json.loads(f.read(header_len))
       except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{self.path}: unreadable safetensors header: {e}") from e
+        raise UserInputError(f"{self.path}: unreadable safetensors header: {e}") from None
+      if not isinstance(header, dict):
+        raise UserInputError(f"{self.path}: safetensors header is not a JSON object")
+      self.metadata = header.pop("__metadata__", None) or {}
+      self._entries = header
+      self._data_start = 8 + header_len
+      for name, entry in header.items():
+        self._check_entry(name, entry, file_size - self._data_start)
       self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-    self.metadata = header.pop("__metadata__", None) or {}
-    self._entries = header
-    self._data_start = 8 + header_len
+
+  def _check_entry(self, name: str, entry, data_size: int) -> None:
+    """A tensor's header entry must be well formed and lie inside the file's data section."""
+    where = f"{self.path}: tensor {name}"
+    fields = entry if isinstance(entry, dict) else {}
+    shape, offsets, dtype_code = (fields.get(k) for k in ("shape", "data_offsets", "dtype"))
+    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)
+            and isinstance(offsets, list) and len(offsets) == 2
+            and all(isinstance(o, int) for o in offsets) and isinstance(dtype_code, str)):
+      raise UserInputError(f"{where}: malformed header entry {json.dumps(entry)[:200]}")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+      raise UserInputError(f"{where}: data_offsets [{begin}, {end}] lie outside the file's "
+                           f"{data_size} data bytes (truncated file?)")
+    dtype = _DTYPES.get(dtype_code)
+    if dtype is not None and end - begin != math.prod(shape) * dtype.itemsize:
+      raise UserInputError(f"{where}: data_offsets span {end - begin} bytes but shape {shape} "
+                           f"of {dtype_code} needs {math.prod(shape) * dtype.itemsize}")
 
   def names(self) -> list[str]:
     return list(self._entries)
@@ -58,7 +91,7 @@ class SafetensorsFile:
   def dtype(self, name: str) -> np.dtype:
     code = self._entries[name]["dtype"]
     if code not in _DTYPES:
-      raise ValueError(f"{self.path}: tensor {name} has unsupported dtype {code}")
+      raise UserInputError(f"{self.path}: tensor {name} has unsupported dtype {code}")
     return _DTYPES[code]
 
   def read(self, name: str) -> np.ndarray:
@@ -99,12 +132,16 @@ def open_checkpoint(directory: str) -> dict[str, SafetensorsFile]:
   index_path = os.path.join(directory, "model.safetensors.index.json")
   if os.path.exists(index_path):
     with open(index_path) as f:
-      weight_map: dict[str, str] = json.load(f)["weight_map"]
+      try:
+        weight_map: dict[str, str] = json.load(f)["weight_map"]
+      except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise UserInputError(f"{index_path}: not a safetensors index with a 'weight_map' "
+                             f"({type(e).__name__}: {e})") from None
     files = {}
     for filename in sorted(set(weight_map.values())):
       file_path = os.path.join(directory, filename)
       if not os.path.exists(file_path):
-        raise FileNotFoundError(f"{index_path} names {filename}, which is not in {directory}")
+        raise MissingInputError(f"{index_path} names {filename}, which is not in {directory}")
       files[filename] = SafetensorsFile(file_path)
     return {name: files[filename] for name, filename in weight_map.items()}
   paths = sorted(p for p in os.listdir(directory) if p.endswith(".safetensors"))
@@ -112,7 +149,7 @@ def open_checkpoint(directory: str) -> dict[str, SafetensorsFile]:
     others = [p for p in os.listdir(directory) if p.endswith((".bin", ".pt", ".pth"))]
     hint = (f" (found {others}; convert them with transformers' save_pretrained("
             "safe_serialization=True))") if others else ""
-    raise FileNotFoundError(f"{directory}: no .safetensors weights{hint}")
+    raise MissingInputError(f"{directory}: no .safetensors weights{hint}")
   by_name = {}
   for p in paths:
     st = SafetensorsFile(os.path.join(directory, p))

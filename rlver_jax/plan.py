@@ -44,6 +44,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from models import partitioning, qwen2  # noqa: E402
+from models.errors import UserInputError  # noqa: E402
 from rl import train_step  # noqa: E402
 from rlver_jax import sharding  # noqa: E402
 from rlver_jax.generate import parse_mesh  # noqa: E402
@@ -160,14 +161,30 @@ def _define_flags() -> None:
   flags.DEFINE_string("out", None, "also write the plan as JSON here")
 
 
+def preset(name: str) -> qwen2.Qwen2Config:
+  """The named model preset; UserInputError listing the known ones otherwise."""
+  if name not in qwen2.PRESETS:
+    known = ", ".join(sorted(qwen2.PRESETS))
+    raise UserInputError(f"--model={name}: unknown preset; known: {known} "
+                         "(or give --hf_config=config.json)")
+  return qwen2.PRESETS[name]
+
+
 def main(argv):
+  try:
+    _plan_from_flags(argv)
+  except UserInputError as e:  # the user's mistake: one line; our bugs keep their traceback
+    raise SystemExit(f"error: {e}") from None
+
+
+def _plan_from_flags(argv):
   del argv
   FLAGS = flags.FLAGS
   if FLAGS.hf_config:
     with open(FLAGS.hf_config) as f:
       config = qwen2.Qwen2Config.from_hf_dict(json.load(f), source=FLAGS.hf_config)
   else:
-    config = qwen2.PRESETS[FLAGS.model]
+    config = preset(FLAGS.model)
   if FLAGS.layers:
     config = dataclasses.replace(config, num_layers=FLAGS.layers)
   result = plan(config, parse_mesh(FLAGS.mesh), FLAGS.batch, FLAGS.seq_len,

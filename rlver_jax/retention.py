@@ -27,6 +27,7 @@ from absl import logging
 from tqdm import tqdm
 
 from models.sampler import STOP, SamplingParams
+from models.errors import UserInputError
 from rlver_jax import cli, sharding
 from rlver_jax import policy as policy_lib
 from sim_user.jsonl import iter_jsonl
@@ -35,8 +36,8 @@ from sim_user.thinking import strip_thinking
 MATH_INSTRUCTION = "Solve the problem. Put the final answer in \\boxed{}."
 
 
-class RetentionDataError(ValueError):
-  pass
+class RetentionDataError(UserInputError):
+  """A retention data file or item that cannot be used; the message names file, line and field."""
 
 
 # Math answers.
@@ -137,6 +138,11 @@ CHECKS: dict[str, Callable[[str, dict], bool]] = {
     "json": lambda r, c: _is_json(r),
     "title": lambda r, c: re.search(r"<<[^>\n]+>>", r) is not None,
 }
+# The checks that read c["value"], and the type it must have.
+CHECK_VALUE_TYPES: dict[str, type] = {
+    "max_words": int, "min_words": int, "num_bullets": int, "num_paragraphs": int,
+    "contains": str, "not_contains": str, "starts_with": str, "ends_with": str,
+}
 
 
 def check_instructions(response: str, instructions: list[dict]) -> list[bool]:
@@ -171,6 +177,13 @@ def _validate(obj, task: str, where: str) -> dict:
         raise RetentionDataError(f"{where}: instructions[{k}] has unknown type "
                                  f"{check.get('type') if isinstance(check, dict) else check!r}; "
                                  f"known: {sorted(CHECKS)}")
+      value_type = CHECK_VALUE_TYPES.get(check["type"])
+      value = check.get("value")
+      # bool is an int to Python, never a word count.
+      if value_type and (not isinstance(value, value_type) or isinstance(value, bool)):
+        found = f"has {value!r}" if "value" in check else "has none"
+        raise RetentionDataError(f"{where}: instructions[{k}].value: {check['type']} needs a "
+                                 f"'value' of type {value_type.__name__}; the item {found}")
     return {"prompt": obj["prompt"], "instructions": instructions}
   raise RetentionDataError(f"unknown retention task {task!r}; expected math or ifeval")
 
@@ -201,15 +214,15 @@ def score(task: str, item: dict, response: str) -> dict:
 def evaluate(config) -> dict:
   r = config.retention
   if not config.workdir:
-    raise ValueError("no workdir: set --config.workdir=DIR")
+    raise UserInputError("no workdir: set --config.workdir=DIR")
   if not config.policy.checkpoint:
-    raise ValueError("no policy checkpoint: set --config.policy.checkpoint=DIR")
+    raise UserInputError("no policy checkpoint: set --config.policy.checkpoint=DIR")
   if r.tfds_name:
     items = read_tfds(r.tfds_name, r.tfds_data_dir, r.split, r.question_field, r.answer_field)
   elif r.data:
     items = read_items(r.data, r.task)
   else:
-    raise ValueError("no data: set --config.retention.data=FILE.jsonl or "
+    raise UserInputError("no data: set --config.retention.data=FILE.jsonl or "
                      "--config.retention.tfds_name=NAME with --config.retention.tfds_data_dir")
   if r.limit:
     items = items[:r.limit]

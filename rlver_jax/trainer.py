@@ -189,8 +189,7 @@ class Trainer:
         "no training profiles: set --config.data.train_profiles=FILE.jsonl "
         "(RLVER's train_profile.jsonl, or sim_user/data/demo_profiles.jsonl)"))
     policy_path = resolve_policy_checkpoint(config)
-    from transformers import AutoTokenizer
-    self.tokenizer = AutoTokenizer.from_pretrained(policy_path)
+    self.tokenizer = policy_lib.load_tokenizer(policy_path)
     self.formatter = ChatFormatter(self.tokenizer)
     load = dict(dtype=config.policy.dtype, param_dtype=config.policy.param_dtype, mesh=self.mesh,
                 remat=config.policy.remat)
@@ -330,6 +329,9 @@ class Trainer:
 
   def run(self) -> None:
     config = self.config
+    if self.step < config.steps:  # the first step's jit compilation is otherwise a silent wait
+      logging.info("step %d compiles the sampler and the update steps first: it is the slow one",
+                   self.step + 1)
     bar = tqdm(total=config.steps, initial=self.step, unit="step", desc="train")
     try:
       while self.step < config.steps:

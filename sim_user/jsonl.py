@@ -11,8 +11,13 @@ def iter_jsonl(path: str, error: type[Exception] = ValueError) -> Iterator[tuple
   """(line number, parsed object) for every non-blank line; `error` for a missing file or bad JSON."""
   if not os.path.exists(path):
     raise error(f"{path}: no such file")
-  with open(path, encoding="utf-8") as f:
-    for line_no, line in enumerate(f, 1):
+  with open(path, "rb") as f:  # decoded line by line, so a bad byte names its line
+    for line_no, raw in enumerate(f, 1):
+      try:
+        line = raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise error(f"{path}:{line_no}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte "
+                    f"{e.start + 1} of the line)") from None
       if not line.strip():
         continue
       try:

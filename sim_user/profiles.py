@@ -6,6 +6,7 @@ import dataclasses
 import os
 from typing import Iterator
 
+from models.errors import UserInputError
 from sim_user.jsonl import iter_jsonl
 
 DEMO_PROFILES = os.path.join(os.path.dirname(__file__), "data", "demo_profiles.jsonl")
@@ -30,7 +31,7 @@ _REQUIRED_TEXT = ("id", "player", "scene", "main_cha", "task")
 _OPTIONAL_TEXT = ("first_talk", "topic")
 
 
-class ProfileError(ValueError):
+class ProfileError(UserInputError):
   """A profile file or line that cannot be used; the message names where and why."""
 
 
@@ -84,6 +85,11 @@ def parse_profile(obj, path: str = "<profile>", line_no: int = 0) -> Profile:
     if value is not None and not isinstance(value, str):
       raise _field_error(path, line_no, field, "must be a string when present")
     values[field] = value or None
+  if intention_of(values["task"]) is None:
+    raise _field_error(path, line_no, "task", "names none of the eight hidden intentions; it must "
+                       "contain one of these phrases: " + "; ".join(
+                           f"{key}: {' / '.join(map(repr, phrases))}"
+                           for key, phrases in INTENTIONS.items()))
   group = obj.get("cha_group", [])
   if isinstance(group, str):
     group = [group]

@@ -28,6 +28,30 @@ def pytest_collection_modifyitems(config, items):
       item.add_marker(skip_slow)
 
 
+# The authors' released data: RLVER's profiles (data/rlver) and SAGE's recorded benchmark
+# dialogues (data/sage), in the project's shared/ folder beside the repository.
+SHARED_DIR = os.environ.get("RLVER_SHARED_DIR") or os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared")
+
+
+@pytest.fixture
+def shared_data():
+  """`shared_data("rlver", "train_profile.jsonl")`: that path under shared/data, or a skip.
+
+  The tests that need the released data run whenever it is present (CI always has it) and
+  say where to get it when it is not.
+  """
+  def path(*parts: str) -> str:
+    full = os.path.normpath(os.path.join(SHARED_DIR, "data", *parts))
+    if not os.path.exists(full):
+      pytest.skip(f"needs {full}: the authors' released RLVER profiles (data/rlver) and SAGE "
+                  "results (data/sage) from Tencent's digitalhuman repository (MIT); put the "
+                  "project's shared/ folder beside this repository or set RLVER_SHARED_DIR")
+    return full
+
+  return path
+
+
 @pytest.fixture
 def serve():
   """Starts FaultyServer(script) instances on 127.0.0.1; all are shut down after the test."""

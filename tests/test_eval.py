@@ -1,7 +1,6 @@
 """The Sentient Benchmark evaluator and its summary math."""
 
 import json
-import os
 
 import pytest
 
@@ -13,14 +12,12 @@ from rl import rollout as rollout_lib
 from models.errors import UserInputError
 from sim_user import dynamics, profiles, replay
 
-SAGE = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data", "sage")
 
-
-def test_summary_math_on_the_recorded_benchmark():
+def test_summary_math_on_the_recorded_benchmark(shared_data):
   expected = {"deepseek-v3-1227_result.jsonl": (37.55, 5, 39),
               "qwen2.5-72b_result.jsonl": (19.1, 4, 70), "claude3.7_result.jsonl": (54.8, 19, 24)}
   for name, (score, success, failure) in expected.items():
-    with open(os.path.join(SAGE, name)) as f:
+    with open(shared_data("sage", name)) as f:
       finals = [json.loads(line)["emo_point"] for line in f]
     summary = dynamics.summarize(finals)
     assert (summary["n"], summary["success_rate"], summary["failure_rate"]) == (100, success,

@@ -1,9 +1,10 @@
 """The simulated user: profiles, templates, parser, dynamics, simulator, replay."""
 
 import collections
+import dataclasses
 import json
-import re
 import os
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -16,26 +17,11 @@ from sim_user.jsonl import iter_jsonl
 from sim_user.simulator import DROP, SIMULATOR_ERROR, SimulatedUser
 from sim_user.thinking import split_thinking, strip_thinking
 
-# The authors' data beside the repository (../shared/data); RLVER_SHARED_DATA overrides it.
-SHARED = os.environ.get("RLVER_SHARED_DATA") or os.path.join(
-    os.path.dirname(__file__), "..", "..", "shared", "data")
-RLVER = os.path.join(SHARED, "rlver")
-SAGE = os.path.join(SHARED, "sage")
-needs_rlver = pytest.mark.skipif(
-    not os.path.isdir(RLVER), reason=f"{RLVER} is absent: put RLVER's released profiles "
-    "(github.com/Tencent/digitalhuman, RLVER/data/*_profile.jsonl) there")
-needs_sage = pytest.mark.skipif(
-    not os.path.isdir(SAGE), reason=f"{SAGE} is absent: put SAGE's recorded results "
-    "(github.com/Tencent/digitalhuman, SAGE/dataset/deepseek-v3-2024-1227_based_simulator/"
-    "*_result.jsonl) there")
-
-
 # Profiles.
 
-@needs_rlver
-def test_released_profiles_load_with_their_known_gaps():
-  train = profiles.load_profiles(os.path.join(RLVER, "train_profile.jsonl"))
-  test = profiles.load_profiles(os.path.join(RLVER, "test_profile.jsonl"))
+def test_released_profiles_load_with_their_known_gaps(shared_data):
+  train = profiles.load_profiles(shared_data("rlver", "train_profile.jsonl"))
+  test = profiles.load_profiles(shared_data("rlver", "test_profile.jsonl"))
   assert (len(train), len(test)) == (500, 100)
   assert all(p.topic is None and p.first_talk is None for p in train)  # no topic, no opener
   assert all(p.first_talk for p in test)
@@ -53,15 +39,17 @@ def test_demo_profiles_cover_every_intention_in_english():
     ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m"}', "2: field 'task': missing"),
     ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": 3}',
      "2: field 'task': must be a non-empty string"),
-    ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": "t", "cha_group": [1]}',
+    ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": "be praised", '
+     '"cha_group": [1]}',
      "2: field 'cha_group': must be a list of strings"),
-    ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": "t", "first_talk": 5}',
+    ('{"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": "be praised", '
+     '"first_talk": 5}',
      "2: field 'first_talk': must be a string"),
     ('{"id": "a", ', "2: invalid JSON"),
     ('["a"]', "2: expected a JSON object"),
 ])
 def test_malformed_profile_lines_name_file_line_and_field(tmp_path, line, message):
-  good = {"id": "ok", "player": "p", "scene": "s", "main_cha": "m", "task": "t"}
+  good = {"id": "ok", "player": "p", "scene": "s", "main_cha": "m", "task": "be praised"}
   path = tmp_path / "profiles.jsonl"
   path.write_text(json.dumps(good) + "\n" + line + "\n")
   with pytest.raises(profiles.ProfileError, match=re.escape(f"{path}:{message}")):
@@ -69,7 +57,7 @@ def test_malformed_profile_lines_name_file_line_and_field(tmp_path, line, messag
 
 
 def test_duplicate_ids_and_missing_files_are_errors(tmp_path):
-  good = json.dumps({"id": "x", "player": "p", "scene": "s", "main_cha": "m", "task": "t"})
+  good = json.dumps({"id": "x", "player": "p", "scene": "s", "main_cha": "m", "task": "be praised"})
   path = tmp_path / "dup.jsonl"
   path.write_text(good + "\n" + good + "\n")
   with pytest.raises(profiles.ProfileError, match="'x' appears twice"):
@@ -358,13 +346,12 @@ def test_training_rules_judge_the_release_s_9_replies_or_the_configured_count():
   assert d.agent_turns == 8 and len(judged) == 8
 
 
-@needs_sage
-def test_recorded_sage_dialogues_end_with_10_replies_and_9_judged_turns():
+def test_recorded_sage_dialogues_end_with_10_replies_and_9_judged_turns(shared_data):
   """Every turn-limited recorded dialogue: 10 agent replies, 9 judged; our simulator, fed the
   recording, ends each of the 300 exactly where SAGE did."""
   turn_limited = 0
   for name in ("deepseek-v3-1227", "qwen2.5-72b", "claude3.7"):
-    for _, record in iter_jsonl(os.path.join(SAGE, f"{name}_result.jsonl")):
+    for _, record in iter_jsonl(shared_data("sage", f"{name}_result.jsonl")):
       history = record["history"]
       replies = sum(m["role"] == "assistant" for m in history)
       judged = sum(m["role"] == "user" and "planning" in m for m in history)
@@ -482,23 +469,38 @@ def test_drop_policy_and_backend_errors():
   assert user.metrics["sim/backend_errors/http_500"] == 2
 
 
-@needs_rlver
 def test_opening_turn_is_generated_without_first_talk():
-  train = profiles.load_profiles(os.path.join(RLVER, "train_profile.jsonl"))[:2]
+  # Like RLVER's training profiles, which have no preset opening line.
+  no_opener = [dataclasses.replace(p, first_talk=None)
+               for p in profiles.load_profiles(profiles.DEMO_PROFILES)[:2]]
   user = make_user()
-  dialogues = user.start(train)
+  dialogues = user.start(no_opener)
   assert all(d.history[0]["role"] == "user" and d.history[0]["content"] for d in dialogues)
 
 
 # Replay of the recorded benchmark.
 
-@needs_sage
-def test_replay_reproduces_the_published_leaderboard():
+def write_recorded(path, dialogues_changes, rules=dynamics.SAGE_BENCHMARK):
+  """A SAGE-format result file: one dialogue per list of recorded `Change:` values."""
+  with open(path, "w") as f:
+    for changes in dialogues_changes:
+      emotion, history = rules.initial, []
+      for change in changes:
+        emotion = dynamics.update(rules, emotion, change)
+        history += [{"role": "assistant", "content": "reply"},
+                    {"role": "user", "content": "answer", "emotion-point": emotion,
+                     "planning": {"content": "c", "TargetCompletion": "t", "activity": "a",
+                                  "analyse": "n", "change": f"{change:+d}"}}]
+      f.write(json.dumps({"history": history, "emo_point": emotion}) + "\n")
+  return str(path)
+
+
+def test_replay_reproduces_the_published_leaderboard(shared_data):
   expected = {"deepseek-v3-1227_result.jsonl": (37.55, 5, 39),
               "qwen2.5-72b_result.jsonl": (19.1, 4, 70),
               "claude3.7_result.jsonl": (54.8, 19, 24)}
   for name, (score, success, failure) in expected.items():
-    result = replay.replay_file(os.path.join(SAGE, name), dynamics.SAGE_BENCHMARK)
+    result = replay.replay_file(shared_data("sage", name), dynamics.SAGE_BENCHMARK)
     assert result["n"] == 100
     assert result["score"] == pytest.approx(score)
     assert (result["success_rate"], result["failure_rate"]) == (success, failure)
@@ -506,21 +508,23 @@ def test_replay_reproduces_the_published_leaderboard():
     assert result["mismatched_ends"] == 0  # our simulator ends every dialogue where SAGE did
 
 
-@needs_sage
-def test_replay_cli_prints_one_object_per_file(capsys):
-  files = [os.path.join(SAGE, "claude3.7_result.jsonl"), os.path.join(SAGE, "qwen2.5-72b_result.jsonl")]
+def test_replay_cli_prints_one_object_per_file(tmp_path, capsys):
+  files = [write_recorded(tmp_path / "a.jsonl", [[5, 10], [-10, -10, -10, -5]]),
+           write_recorded(tmp_path / "b.jsonl", [[10] * 6])]
   assert replay.main(files) == 0
   lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
   assert [line["file"] for line in lines] == files
+  assert [(line["n"], line["score"], line["mismatched_turns"]) for line in lines] == [
+      (2, 30.0, 0), (1, 100.0, 0)]
   assert set(lines[0]) == {"file", "n", "score", "success_rate", "failure_rate", "mismatched_turns",
                            "mismatched_ends"}
 
 
-@needs_sage
 def test_replay_under_training_rules_differs(tmp_path):
-  result = replay.replay_file(os.path.join(SAGE, "claude3.7_result.jsonl"), dynamics.RLVER_TRAIN)
-  assert result["mismatched_turns"] > 0  # recorded under the benchmark's rules
-  assert result["mismatched_ends"] > 0
+  recorded = write_recorded(tmp_path / "r.jsonl", [[5, 30, -5]])  # under the benchmark's rules
+  assert replay.replay_file(recorded, dynamics.SAGE_BENCHMARK)["mismatched_turns"] == 0
+  result = replay.replay_file(recorded, dynamics.RLVER_TRAIN)
+  assert result["mismatched_turns"] == 3 and result["score"] == 60  # starts at 30, unclipped
 
 
 def test_replay_names_a_broken_record(tmp_path, capsys):

@@ -49,8 +49,10 @@ REQUIRED_METRICS = ("step", "reward/mean", "emotion/final_mean", "success_rate",
                     "grad_norm", "time/rollout", "time/simulator", "time/train", "tokens_per_s")
 
 
-def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path):
+def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, caplog):
+  caplog.set_level("INFO")
   trainer.Trainer(small_demo(tmp_path)).run()
+  assert sum("step 1 compiles" in m for m in caplog.messages) == 1  # not a silent wait
   records = read_metrics(tmp_path)
   assert [r["step"] for r in records] == [1, 2, 3]
   with open(tmp_path / "config.json") as f:
