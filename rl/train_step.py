@@ -314,7 +314,7 @@ class Learner:
       self._gradients = jax.jit(functools.partial(gradients, loss_fn, self.graphdef, cfg))
       self._accumulate = jax.jit(_add_trees, donate_argnums=(0,))
       self._apply_gradients = jax.jit(functools.partial(apply_gradients, tx),
-                                      donate_argnums=(0, 1, 2))
+                                      donate_argnums=(0, 1))
     self._forward = {}
 
   def shard_batch(self, batch: dict) -> dict:

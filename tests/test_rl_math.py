@@ -338,3 +338,128 @@ def test_sliced_logprobs_and_entropy_equal_the_full_softmax(chunk):
   g_full = jax.grad(loss)(params, False)
   for a, b in zip(jax.tree.leaves(g_sliced), jax.tree.leaves(g_full)):
     np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def _tiny_config():
+  from models import qwen2
+  return qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=1,
+                           num_heads=4, num_kv_heads=2)
+
+
+def _uneven_batch(seed=7):
+  """6 rows: rows 0-1 hold 3 loss tokens each, rows 2-4 30, row 5 none (a filler)."""
+  rng = np.random.RandomState(seed)
+  rows, width = 6, 33
+  mask = np.zeros((rows, width - 1), np.float32)
+  mask[:2, 4:7] = 1
+  mask[2:5, 1:31] = 1
+  return {"input_ids": rng.randint(0, 50, (rows, width)).astype(np.int32),
+          "attention_mask": np.ones((rows, width), bool), "loss_mask": mask,
+          "old_logprobs": (-4.0 + rng.randn(rows, width - 1)).astype(np.float32),
+          "advantages": (rng.randn(rows, width - 1) * mask).astype(np.float32),
+          "returns": (rng.randn(rows, width - 1) + 4.0 * (np.arange(rows) < 2)[:, None]).astype(
+              np.float32),  # the short rows' values are far off
+          "old_values": (0.3 * rng.randn(rows, width - 1)).astype(np.float32)}
+
+
+def _learner(loss_fn, cfg, tx):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from models import qwen2
+  if loss_fn is train_step.critic_loss:
+    model = qwen2.Qwen2Value(_tiny_config(), rngs=nnx.Rngs(0))
+    model.value_head.set_value(jax.random.normal(jax.random.key(1), (32,), jnp.float32))
+  else:
+    model = qwen2.init_random(_tiny_config(), seed=0)
+  prefix = "critic_" if loss_fn is train_step.critic_loss else ""
+  return train_step.Learner(model, tx, loss_fn, cfg, metric_prefix=prefix)
+
+
+@pytest.mark.parametrize("loss_name,mode", [
+    ("policy_loss", "token-mean"), ("policy_loss", "seq-mean-token-mean"),
+    ("critic_loss", "token-mean")])
+def test_accumulated_micro_batches_update_like_one_big_batch(loss_name, mode):
+  import jax
+  import optax
+  loss_fn = getattr(train_step, loss_name)
+  cfg = train_step.LossConfig(loss_agg=mode, entropy_coef=0.01)
+  batch = _uneven_batch()
+  micro_batches = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2, 4)]
+  assert [m["loss_mask"].sum() for m in micro_batches] == [6, 60, 30]
+  tx = optax.sgd(0.5)  # plain SGD: the update is the gradient itself
+  whole = _learner(loss_fn, cfg, tx)
+  # The old accumulation averaged the micro-batches' own means: another objective.
+  own_means = [loss_fn(whole.graphdef, cfg, whole.params, m, None)[0] for m in micro_batches]
+  whole_loss = loss_fn(whole.graphdef, cfg, whole.params, batch, None)[0]
+  assert abs(np.mean(own_means) - whole_loss) > 0.05 * abs(whole_loss)
+
+  whole_metrics = whole.update([batch])
+  accumulated = _learner(loss_fn, cfg, tx)
+  accumulated_metrics = accumulated.update(micro_batches)
+  for a, b in zip(jax.tree.leaves(accumulated.params), jax.tree.leaves(whole.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  for key, value in whole_metrics.items():
+    np.testing.assert_allclose(accumulated_metrics[key], value, rtol=1e-4, atol=1e-6,
+                               err_msg=key)
+  prefix = "critic_" if loss_fn is train_step.critic_loss else ""
+  assert accumulated_metrics[prefix + "finite"] == 1.0 and accumulated_metrics[
+      prefix + "grad_norm"] > 0
+
+
+def test_learning_rate_follows_training_steps_and_the_learner_sets_it():
+  import jax
+  cfg = train_step.OptimConfig(lr=1.0, warmup_steps=4, total_steps=10)
+  assert [train_step.learning_rate(cfg, s) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+  cosine = train_step.OptimConfig(lr=1.0, warmup_steps=2, total_steps=10, schedule="cosine")
+  assert train_step.learning_rate(cosine, 2) == 1.0 > train_step.learning_rate(cosine, 6) > 0
+  with pytest.raises(ValueError, match="linear"):
+    train_step.make_optimizer(train_step.OptimConfig(schedule="linear"))
+  batch = _uneven_batch()
+  learner = _learner(train_step.policy_loss, train_step.LossConfig(),
+                     train_step.make_optimizer(train_step.OptimConfig(lr=0.1, weight_decay=0.1)))
+  before = jax.tree.map(np.asarray, learner.params)
+  learner.update([batch], learning_rate=0.0)  # warm-up's first step: nothing moves
+  for a, b in zip(jax.tree.leaves(learner.params), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a, b)
+  learner.update([batch], learning_rate=0.1)
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(learner.params),
+                                                   jax.tree.leaves(before)))
+
+
+def test_thinking_mini_batches_hold_a_steps_dialogue_count_of_samples():
+  from rlver_jax import trainer
+  batch = {"input_ids": np.arange(10)[:, None] + np.zeros((10, 3), int),
+           "loss_mask": np.ones((10, 2), np.float32)}
+  chunks = trainer._chunks(batch, 4, row_multiple=2)
+  assert [len(c["input_ids"]) for c in chunks] == [4, 4, 2]
+  chunks = trainer._chunks(batch, 4, row_multiple=4)
+  assert [len(c["input_ids"]) for c in chunks] == [4, 4, 4]
+  np.testing.assert_array_equal(chunks[2]["input_ids"][:, 0], [8, 9, 0, 0])
+  assert chunks[2]["loss_mask"][2:].sum() == 0  # padding rows carry no loss
+
+
+def test_a_thinking_step_makes_one_update_per_batch_size_samples(monkeypatch, tmp_path):
+  from rlver_jax import trainer
+  from tests.test_trainer import small_demo
+  config = small_demo(tmp_path, **{"rollout.thinking": True, "optim.warmup_steps": 0})
+  run = trainer.Trainer(config)
+  calls = []
+  real_update = run.policy.update
+
+  def counting_update(micro_batches, **kwargs):
+    calls.append((sum(int((m["loss_mask"].sum(1) > 0).sum()) for m in micro_batches),
+                  kwargs["learning_rate"]))
+    return real_update(micro_batches, **kwargs)
+
+  monkeypatch.setattr(run.policy, "update", counting_update)
+  metrics = run.train_step()
+  samples = metrics["samples"]
+  assert samples > config.batch_size  # one sample per agent turn
+  assert metrics["updates"] == len(calls) == -(-samples // config.batch_size)
+  assert [rows for rows, _ in calls[:-1]] == [config.batch_size] * (len(calls) - 1)
+  assert sum(rows for rows, _ in calls) == samples
+  assert {lr for _, lr in calls} == {config.optim.actor_lr}  # one rate for the whole step
+  for key in ("clip_frac", "pg_clipfrac_lower", "value_clip_frac", "value_loss", "grad_norm",
+              "approx_kl", "entropy"):
+    assert np.isfinite(metrics[key]), key
