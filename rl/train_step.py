@@ -217,6 +217,7 @@ def sequence_logprobs(graphdef, params, batch, temperature: float):
 # over its micro-batches.
 
 def policy_loss(graphdef, cfg: LossConfig, params, batch, norm: losses.Normaliser | None):
+  """Clipped surrogate - entropy bonus (+ KL) of a [B, T] batch; (loss, metrics)."""
   mask = batch["loss_mask"]
   logprobs, entropy_bt = token_logprobs_and_entropy(graphdef, params, batch, cfg.temperature)
   pg_loss, metrics = losses.policy_loss(
@@ -235,6 +236,7 @@ def policy_loss(graphdef, cfg: LossConfig, params, batch, norm: losses.Normalise
 
 
 def critic_loss(graphdef, cfg: LossConfig, params, batch, norm: losses.Normaliser | None):
+  """Clipped value loss of a [B, T] batch; (loss, metrics)."""
   values = critic_values(graphdef, params, batch)
   loss, metrics = losses.value_loss(values, batch["old_values"], batch["returns"],
                                     batch["loss_mask"], clip=cfg.value_clip, agg=cfg.loss_agg,
