@@ -1,77 +1,118 @@
-"""PPO / GRPO losses over [B, T] token arrays (pure, jittable).
+"""PPO / GRPO losses over [B, T] token arrays (pure, jittable), as verl's core_algos.
 
 Every loss takes a 0/1 `mask` of the tokens it covers (the agent's own
 tokens) and an aggregation mode:
-  token-mean           sum(loss * mask) / sum(mask)
-  seq-mean-token-sum   mean over sequences of sum(loss * mask)
-  seq-mean-token-mean  mean over sequences of the per-sequence token mean
+  token-mean           sum(loss * mask) / (tokens with mask 1)
+  seq-mean-token-sum   sum over sequences of sum(loss * mask) / (sequences with any token)
+  seq-mean-token-mean  sum over sequences of the per-sequence token mean / (sequences with any)
+The denominators default to this batch's; with gradient accumulation a
+`Normaliser` passes the whole mini-batch's, so that the micro-batches' losses
+(and every metric here) add up to the mini-batch's, as verl's `agg_loss` does.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 TOKEN_MEAN = "token-mean"
 SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
 SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 AGGREGATIONS = (TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_MEAN)
 
+# exp(20) ~ 4.9e8 is finite in float32 (exp overflows past 88, and then 0 * inf makes NaN
+# gradients even where the loss never uses the value); verl clamps the same way.
+LOG_RATIO_LIMIT = 20.0
 
-def aggregate(loss_bt, mask_bt, mode: str = TOKEN_MEAN):
+
+class Normaliser(NamedTuple):
+  """Denominators of the aggregations: loss tokens, and sequences with any loss token."""
+  tokens: jax.Array
+  sequences: jax.Array
+
+
+def normaliser(mask_bt) -> Normaliser:
+  """The denominators of a whole (mini-)batch, from its [B, T] loss mask (host numpy)."""
+  mask_bt = np.asarray(mask_bt, np.float32)
+  return Normaliser(tokens=np.float32(max(mask_bt.sum(), 1.0)),
+                    sequences=np.float32(max((mask_bt.sum(axis=1) > 0).sum(), 1)))
+
+
+def aggregate(loss_bt, mask_bt, mode: str = TOKEN_MEAN, norm: Normaliser | None = None):
+  """[B, T] per-token losses -> scalar; `norm` (default: this batch's) gives the denominators."""
   mask_bt = mask_bt.astype(jnp.float32)
+  tokens_b = jnp.sum(mask_bt, axis=1)
   if mode == TOKEN_MEAN:
-    return jnp.sum(loss_bt * mask_bt) / jnp.maximum(jnp.sum(mask_bt), 1.0)
+    tokens = jnp.maximum(jnp.sum(tokens_b), 1.0) if norm is None else norm.tokens
+    return jnp.sum(loss_bt * mask_bt) / tokens
   per_seq_b = jnp.sum(loss_bt * mask_bt, axis=1)
   if mode == SEQ_MEAN_TOKEN_MEAN:
-    per_seq_b = per_seq_b / jnp.maximum(jnp.sum(mask_bt, axis=1), 1.0)
+    per_seq_b = per_seq_b / jnp.maximum(tokens_b, 1.0)
   elif mode != SEQ_MEAN_TOKEN_SUM:
     raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
-  has_tokens_b = (jnp.sum(mask_bt, axis=1) > 0).astype(jnp.float32)
-  return jnp.sum(per_seq_b * has_tokens_b) / jnp.maximum(jnp.sum(has_tokens_b), 1.0)
+  has_tokens_b = (tokens_b > 0).astype(jnp.float32)
+  sequences = jnp.maximum(jnp.sum(has_tokens_b), 1.0) if norm is None else norm.sequences
+  return jnp.sum(per_seq_b * has_tokens_b) / sequences
 
 
-def _masked_mean(x, mask):
-  return aggregate(x, mask, TOKEN_MEAN)
+def _token_mean(x_bt, mask_bt, norm: Normaliser | None):
+  return aggregate(x_bt.astype(jnp.float32), mask_bt, TOKEN_MEAN, norm)
 
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_ratio: float = 0.2,
-                clip_ratio_high: float | None = None, dual_clip: float | None = None,
-                agg: str = TOKEN_MEAN):
-  """Clipped surrogate; with `dual_clip` = c > 1, negative-advantage losses are capped at c * |A|.
+                clip_ratio_high: float | None = None, dual_clip: float | None = 3.0,
+                agg: str = TOKEN_MEAN, norm: Normaliser | None = None):
+  """verl's clipped surrogate with dual clip, over [B, T] arrays.
 
-  Returns (loss, metrics) with clip_frac, the share of tokens whose ratio was
-  clipped, and approx_kl = mean(old - new logprob).
+  The log-ratio is clamped to +-LOG_RATIO_LIMIT before `exp`. With
+  `dual_clip` = c > 1 (verl's clip_ratio_c), a negative-advantage token's
+  loss is capped at c * |A|; None turns the cap off. Returns (loss, metrics):
+  clip_frac (tokens whose clipped surrogate was taken), pg_clipfrac_lower
+  (tokens capped by the dual clip; with dual_clip only), approx_kl =
+  mean(old - new logprob) and ratio_mean, all token means over `norm`.
   """
   high = clip_ratio if clip_ratio_high is None else clip_ratio_high
-  log_ratio = logprobs - old_logprobs
-  ratio = jnp.exp(log_ratio)
-  unclipped = -advantages * ratio
-  clipped = -advantages * jnp.clip(ratio, 1.0 - clip_ratio, 1.0 + high)
-  loss_bt = jnp.maximum(unclipped, clipped)
-  if dual_clip is not None:
-    loss_bt = jnp.where(advantages < 0, jnp.minimum(loss_bt, -advantages * dual_clip), loss_bt)
+  log_ratio_bt = jnp.clip(logprobs - old_logprobs, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+  ratio_bt = jnp.exp(log_ratio_bt)
+  unclipped_bt = -advantages * ratio_bt
+  clipped_bt = -advantages * jnp.clip(ratio_bt, 1.0 - clip_ratio, 1.0 + high)
+  loss_bt = jnp.maximum(unclipped_bt, clipped_bt)
   metrics = {
-      "clip_frac": _masked_mean((clipped > unclipped).astype(jnp.float32), mask),
-      "approx_kl": _masked_mean(-log_ratio, mask),
-      "ratio_mean": _masked_mean(ratio, mask),
+      "clip_frac": _token_mean(clipped_bt > unclipped_bt, mask, norm),
+      "approx_kl": _token_mean(-log_ratio_bt, mask, norm),
+      "ratio_mean": _token_mean(ratio_bt, mask, norm),
   }
-  return aggregate(loss_bt, mask, agg), metrics
+  if dual_clip is not None:
+    cap_bt = -advantages * dual_clip
+    capped_bt = (advantages < 0) & (loss_bt > cap_bt)
+    loss_bt = jnp.where(capped_bt, cap_bt, loss_bt)
+    metrics["pg_clipfrac_lower"] = _token_mean(capped_bt, mask, norm)
+  return aggregate(loss_bt, mask, agg, norm), metrics
 
 
 def value_loss(values, old_values, returns, mask, *, clip: float | None = 0.5,
-               agg: str = TOKEN_MEAN):
-  """0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped = old + clip(v - old, +-clip)."""
-  unclipped = (values - returns) ** 2
+               agg: str = TOKEN_MEAN, norm: Normaliser | None = None):
+  """0.5 * max((v - R)^2, (v_clipped - R)^2), v_clipped = clip(v, old - clip, old + clip).
+
+  Clipping `v` itself (as verl) keeps every value inside the band exactly
+  equal to v, so value_clip_frac counts only tokens whose clipped loss was
+  taken; old + clip(v - old) would round some of those and count them.
+  """
+  values, old_values, returns = (jnp.asarray(x, jnp.float32)
+                                 for x in (values, old_values, returns))
+  unclipped_bt = (values - returns) ** 2
   if clip is None:
-    loss_bt = unclipped
+    loss_bt = unclipped_bt
     clip_frac = jnp.zeros(())
   else:
-    clipped_values = old_values + jnp.clip(values - old_values, -clip, clip)
-    clipped = (clipped_values - returns) ** 2
-    loss_bt = jnp.maximum(unclipped, clipped)
-    clip_frac = _masked_mean((clipped > unclipped).astype(jnp.float32), mask)
-  return 0.5 * aggregate(loss_bt, mask, agg), {"value_clip_frac": clip_frac}
+    clipped_values_bt = jnp.clip(values, old_values - clip, old_values + clip)
+    clipped_bt = (clipped_values_bt - returns) ** 2
+    loss_bt = jnp.maximum(unclipped_bt, clipped_bt)
+    clip_frac = _token_mean(clipped_bt > unclipped_bt, mask, norm)
+  return 0.5 * aggregate(loss_bt, mask, agg, norm), {"value_clip_frac": clip_frac}
 
 
 def entropy_from_logits(logits):
@@ -86,7 +127,8 @@ def kl_penalty(logprobs, ref_logprobs, estimator: str = "k3"):
   """Per-token KL(policy || reference) estimates from sampled-token logprobs.
 
   k1 = log p - log q; k2 = (log p - log q)^2 / 2; k3 = q/p - 1 - log(q/p)
-  (unbiased, always >= 0; verl's "low_var_kl" also clips it to [-10, 10]).
+  (unbiased, always >= 0; as verl's "low_var_kl", its log-ratio is clamped to
+  +-LOG_RATIO_LIMIT and the estimate to [-10, 10]). [B, T] in, [B, T] out.
   """
   log_ratio = logprobs - ref_logprobs
   if estimator == "k1":
@@ -94,6 +136,7 @@ def kl_penalty(logprobs, ref_logprobs, estimator: str = "k3"):
   if estimator == "k2":
     return 0.5 * log_ratio ** 2
   if estimator == "k3":
+    log_ratio = jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # before exp, as verl
     return jnp.clip(jnp.exp(-log_ratio) - 1.0 + log_ratio, -10.0, 10.0)
   raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k2 or k3")
 

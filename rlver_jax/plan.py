@@ -78,7 +78,7 @@ def _batch(mesh, batch: int, seq_len: int, with_values: bool):
   return out
 
 
-def _compile_update(model_cls, config, update_fn, mesh, batch, seq_len, dtype, param_dtype,
+def _compile_update(model_cls, config, loss_fn, mesh, batch, seq_len, dtype, param_dtype,
                     remat, loss_cfg):
   abstract_model = nnx.eval_shape(lambda: model_cls(config, dtype=dtype, param_dtype=param_dtype,
                                                     remat=remat, rngs=nnx.Rngs(0)))
@@ -88,7 +88,8 @@ def _compile_update(model_cls, config, update_fn, mesh, batch, seq_len, dtype, p
   tx = train_step.make_optimizer(train_step.OptimConfig())
   abstract_opt = jax.eval_shape(tx.init, params)
   opt = _abstract(abstract_opt, _opt_shardings(tx, abstract_opt, param_shardings, mesh))
-  step = jax.jit(functools.partial(update_fn, graphdef, tx, loss_cfg), donate_argnums=(0, 1))
+  step = jax.jit(functools.partial(train_step.update, loss_fn, graphdef, tx, loss_cfg),
+                 donate_argnums=(0, 1))
   with partitioning.mesh_context(mesh):
     compiled = step.lower(params, opt, _batch(mesh, batch, seq_len,
                                               model_cls is qwen2.Qwen2Value)).compile()
@@ -128,10 +129,10 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
   result = {"model": dataclasses.asdict(config), "mesh": dict(mesh.shape), "batch": batch,
             "seq_len": seq_len, "dtype": dtype.name, "param_dtype": param_dtype.name,
             "remat": remat}
-  result["policy_update"] = _compile_update(qwen2.Qwen2, config, train_step.policy_update, mesh,
+  result["policy_update"] = _compile_update(qwen2.Qwen2, config, train_step.policy_loss, mesh,
                                             batch, seq_len, dtype, param_dtype, remat, loss_cfg)
   if critic:
-    result["critic_update"] = _compile_update(qwen2.Qwen2Value, config, train_step.critic_update,
+    result["critic_update"] = _compile_update(qwen2.Qwen2Value, config, train_step.critic_loss,
                                               mesh, batch, seq_len, dtype, param_dtype, remat,
                                               loss_cfg)
   result["kv_cache_gib"] = kv_cache_gib(config, mesh, batch, cache_len or seq_len, dtype)

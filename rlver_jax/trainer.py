@@ -139,11 +139,9 @@ def loss_config(config) -> train_step.LossConfig:
 
 def optim_config(config, lr: float) -> train_step.OptimConfig:
   o = config.optim
-  updates_per_step = o.ppo_epochs * o.num_minibatches
   return train_step.OptimConfig(
-      lr=lr, warmup_steps=o.warmup_steps * updates_per_step, schedule=o.schedule,
-      total_steps=config.steps * updates_per_step, weight_decay=o.weight_decay,
-      grad_clip=o.grad_clip, grad_accum=o.grad_accum)
+      lr=lr, warmup_steps=o.warmup_steps, schedule=o.schedule, total_steps=config.steps,
+      weight_decay=o.weight_decay, grad_clip=o.grad_clip)
 
 
 def _split(batch: dict, parts: int) -> list[dict]:
@@ -152,6 +150,19 @@ def _split(batch: dict, parts: int) -> list[dict]:
     raise ValueError(f"{rows} rows do not split into {parts} mini/micro-batches")
   size = rows // parts
   return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(parts)]
+
+
+def _chunks(batch: dict, size: int, row_multiple: int) -> list[dict]:
+  """Consecutive mini-batches of `size` rows (the last may have fewer), as verl's split.
+
+  Each is padded with empty rows (loss mask 0) to a multiple of `row_multiple`.
+  """
+  out = []
+  for start in range(0, len(batch["input_ids"]), size):
+    chunk = {k: v[start:start + size] for k, v in batch.items()}
+    pad = -len(chunk["input_ids"]) % row_multiple
+    out.append({k: np.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) for k, v in chunk.items()})
+  return out
 
 
 class Trainer:
@@ -194,15 +205,16 @@ class Trainer:
     load = dict(dtype=config.policy.dtype, param_dtype=config.policy.param_dtype, mesh=self.mesh,
                 remat=config.policy.remat)
     policy = qwen2.from_pretrained(policy_path, **load)
-    self.policy = train_step.Learner(policy, train_step.make_optimizer(
-        optim_config(config, config.optim.actor_lr)), train_step.policy_update, self.loss_cfg,
-        self.mesh)
+    self.policy_optim = optim_config(config, config.optim.actor_lr)
+    self.policy = train_step.Learner(policy, train_step.make_optimizer(self.policy_optim),
+                                     train_step.policy_loss, self.loss_cfg, self.mesh)
     self.critic = None
     if config.rl.algorithm == "ppo":
       critic = qwen2.value_model_from_pretrained(config.critic.checkpoint or policy_path, **load)
-      self.critic = train_step.Learner(critic, train_step.make_optimizer(
-          optim_config(config, config.optim.critic_lr)), train_step.critic_update, self.loss_cfg,
-          self.mesh)
+      self.critic_optim = optim_config(config, config.optim.critic_lr)
+      self.critic = train_step.Learner(critic, train_step.make_optimizer(self.critic_optim),
+                                       train_step.critic_loss, self.loss_cfg, self.mesh,
+                                       metric_prefix="critic_")
     self.reference = None
     if config.rl.kl_coef:
       reference = qwen2.from_pretrained(policy_path, **{**load, "remat": False})
@@ -215,8 +227,8 @@ class Trainer:
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
         simulator_factory.describe(config.sim_user))
-    self.batch_multiple = self.sampler.data_parallel_size() * (
-        config.optim.num_minibatches * config.optim.grad_accum)
+    self.micro_multiple = self.sampler.data_parallel_size() * config.optim.grad_accum
+    self.batch_multiple = self.micro_multiple * config.optim.num_minibatches
 
     self.step, self.order, self.skipped_updates = 0, ProfileOrder(len(self.profiles), config.seed), 0
     self._last_save = time.monotonic()
@@ -296,13 +308,25 @@ class Trainer:
     batch = train_step.compute_advantages(batch, self.loss_cfg)
     update_metrics = []
     arrays = {k: v for k, v in batch.items() if k not in ("scores", "groups", "token_rewards")}
+    if config.rollout.thinking:
+      # Every agent turn is a sample, many per dialogue: mini-batches hold the step's
+      # dialogue count of samples (over num_minibatches), as the release's
+      # ppo_mini_batch_size, so a step makes as many updates as the release's.
+      real_rows = {k: v[:len(rollout.samples)] for k, v in arrays.items()}
+      dialogues = num_profiles * config.rollout.samples_per_profile
+      minibatches = _chunks(real_rows, -(-dialogues // config.optim.num_minibatches),
+                            self.micro_multiple)
+    else:
+      minibatches = _split(arrays, config.optim.num_minibatches)
+    policy_lr = train_step.learning_rate(self.policy_optim, step - 1)
+    critic_lr = train_step.learning_rate(self.critic_optim, step - 1) if self.critic else None
     for _ in range(config.optim.ppo_epochs):
-      for minibatch in _split(arrays, config.optim.num_minibatches):
-        for micro in _split(minibatch, config.optim.grad_accum):
-          m = self.policy.update(micro)
-          if self.critic is not None:
-            m.update(self.critic.update(micro))
-          update_metrics.append(jax.device_get(m))
+      for minibatch in minibatches:
+        micro_batches = _split(minibatch, config.optim.grad_accum)
+        m = self.policy.update(micro_batches, learning_rate=policy_lr)
+        if self.critic is not None:
+          m.update(self.critic.update(micro_batches, learning_rate=critic_lr))
+        update_metrics.append(jax.device_get(m))
     train_seconds = time.perf_counter() - start
 
     skipped = sum(1 for m in update_metrics
@@ -319,8 +343,10 @@ class Trainer:
     out = dict(rollout_metrics)
     out.update({
         "kl": mean("kl"), "approx_kl": mean("approx_kl"), "entropy": mean("entropy"),
-        "clip_frac": mean("clip_frac"), "pg_loss": mean("pg_loss"),
-        "value_loss": mean("value_loss"), "grad_norm": mean("grad_norm"),
+        "clip_frac": mean("clip_frac"), "pg_clipfrac_lower": mean("pg_clipfrac_lower"),
+        "pg_loss": mean("pg_loss"), "value_loss": mean("value_loss"),
+        "value_clip_frac": mean("value_clip_frac"), "grad_norm": mean("grad_norm"),
+        "updates": len(update_metrics), "lr": policy_lr,
         "skipped_updates": skipped, "time/train": train_seconds,
         "samples": len(rollout.samples), "untrained/simulator": 0,
     })

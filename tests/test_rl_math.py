@@ -6,6 +6,7 @@ import pytest
 import rl
 from rl import losses
 from rl import train_step
+from models.errors import UserInputError
 from rl.rollout import Sample
 
 
@@ -72,6 +73,41 @@ def test_masked_whiten():
   assert np.all(out[mask == 0] == 0)
 
 
+def _sample(length, reward, group):
+  """A prompt token, then `length` agent tokens scored `reward`."""
+  return Sample(tokens=list(range(1, length + 2)), loss_mask=[0] + [1] * length,
+                logprobs=[0.0] + [-1.0] * length, reward=reward, group=group, dialogue=0,
+                token_rewards=[(length, reward)])
+
+
+def test_grpo_advantages_are_not_whitened_across_the_batch():
+  # Group 0: a long high-scoring dialogue and a short low one; group 1: three short ones.
+  # Whitening over the batch's tokens subtracts a mean that the long dialogue dominates,
+  # which turned group 1's above-average second dialogue negative.
+  samples = [_sample(40, 1.0, 0), _sample(2, 0.0, 0), _sample(2, 0.6, 1), _sample(2, 0.5, 1),
+             _sample(2, 0.1, 1)]
+  batch = train_step.collate(samples)
+  out = train_step.compute_advantages(batch, train_step.LossConfig(advantage="grpo"))
+  assert train_step.LossConfig().whiten_advantages  # on by default, for GAE only
+  expected = np.zeros(len(samples))  # verl's compute_grpo_outcome_advantage
+  for group in (0, 1):
+    scores = np.array([s.reward for s in samples if s.group == group])
+    rows = [i for i, s in enumerate(samples) if s.group == group]
+    expected[rows] = (scores - scores.mean()) / (scores.std(ddof=1) + 1e-6)
+  assert expected[3] > 0 and np.all(out["advantages"][3][batch["loss_mask"][3] > 0] > 0)
+  np.testing.assert_allclose(out["advantages"], expected[:, None] * batch["loss_mask"], atol=1e-5)
+
+
+def test_gae_advantages_are_whitened():
+  samples = [_sample(5, 1.0, 0), _sample(3, 0.0, 1)]
+  batch = train_step.collate(samples)
+  batch["old_values"] = np.full(batch["loss_mask"].shape, 0.25, np.float32)
+  out = train_step.compute_advantages(batch, train_step.LossConfig())
+  raw, _ = rl.gae_advantages(batch["token_rewards"], batch["old_values"], batch["loss_mask"])
+  np.testing.assert_allclose(out["advantages"], rl.masked_whiten(raw, batch["loss_mask"]),
+                             atol=1e-5)
+
+
 def _arrays(seed=2):
   rng = np.random.RandomState(seed)
   shape = (3, 7)
@@ -82,46 +118,111 @@ def _arrays(seed=2):
   return new, old, adv, mask
 
 
-def numpy_agg(loss, mask, mode):
+def verl_agg_loss(loss, mask, mode, tokens=None, sequences=None):
+  """verl's agg_loss; `tokens` / `sequences` are the global denominators it may be given."""
   if mode == "token-mean":
-    return (loss * mask).sum() / mask.sum()
+    return (loss * mask).sum() / (mask.sum() if tokens is None else tokens)
+  has_tokens = mask.sum(1) > 0
   per_seq = (loss * mask).sum(1)
   if mode == "seq-mean-token-mean":
-    per_seq = per_seq / mask.sum(1)
-  return per_seq.mean()
+    per_seq = per_seq / np.maximum(mask.sum(1), 1e-8)
+  return per_seq[has_tokens].sum() / (has_tokens.sum() if sequences is None else sequences)
+
+
+def verl_policy_loss(new, old, adv, mask, mode, clip=0.2, clip_ratio_c=3.0):
+  """verl's compute_policy_loss (dual clip), written out.
+
+  Returns (loss, clipfrac, kl, clipfrac_lower, per-token loss).
+  """
+  log_ratio = np.clip(new - old, -20.0, 20.0)
+  ratio = np.exp(log_ratio)
+  losses1 = -adv * ratio
+  losses2 = -adv * np.clip(ratio, 1 - clip, 1 + clip)
+  clip_losses1 = np.maximum(losses1, losses2)
+  clipfrac = ((losses2 > losses1) * mask).sum() / mask.sum()
+  losses3 = -adv * clip_ratio_c
+  clipfrac_lower = ((clip_losses1 > losses3) * (adv < 0) * mask).sum() / mask.sum()
+  per_token = np.where(adv < 0, np.minimum(losses3, clip_losses1), clip_losses1)
+  return (verl_agg_loss(per_token, mask, mode), clipfrac, (-log_ratio * mask).sum() / mask.sum(),
+          clipfrac_lower, per_token)
+
+
+def verl_value_loss(values, old, returns, mask, clip, mode="token-mean"):
+  """verl's compute_value_loss: (loss, vf_clipfrac)."""
+  clipped = np.clip(values, old - clip, old + clip)
+  losses1, losses2 = (values - returns) ** 2, (clipped - returns) ** 2
+  clipfrac = ((losses2 > losses1) * mask).sum() / mask.sum()
+  return 0.5 * verl_agg_loss(np.maximum(losses1, losses2), mask, mode), clipfrac
 
 
 @pytest.mark.parametrize("mode", losses.AGGREGATIONS)
-@pytest.mark.parametrize("dual_clip", [None, 3.0])
-def test_policy_loss_matches_numpy(mode, dual_clip):
+@pytest.mark.parametrize("log_ratio_scale", [0.4, 3.0])
+def test_policy_loss_matches_verl(mode, log_ratio_scale):
   new, old, adv, mask = _arrays()
-  loss, metrics = rl.policy_loss(new, old, adv, mask, clip_ratio=0.2, dual_clip=dual_clip,
-                                 agg=mode)
-  ratio = np.exp(new - old)
-  per_token = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))
-  if dual_clip:
-    per_token = np.where(adv < 0, np.minimum(per_token, -adv * dual_clip), per_token)
-  np.testing.assert_allclose(loss, numpy_agg(per_token, mask, mode), rtol=1e-5)
-  clipped = (-adv * np.clip(ratio, 0.8, 1.2)) > (-adv * ratio)
-  np.testing.assert_allclose(metrics["clip_frac"], (clipped * mask).sum() / mask.sum(), rtol=1e-5)
+  new = old + (new - old) / 0.4 * log_ratio_scale  # 3.0: many ratios past the dual clip
+  loss, metrics = rl.policy_loss(new, old, adv, mask, clip_ratio=0.2, agg=mode)
+  ref_loss, clipfrac, kl, clipfrac_lower, _ = verl_policy_loss(new, old, adv, mask, mode)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  np.testing.assert_allclose(metrics["clip_frac"], clipfrac, rtol=1e-5)
+  np.testing.assert_allclose(metrics["approx_kl"], kl, rtol=1e-5, atol=1e-7)
+  np.testing.assert_allclose(metrics["pg_clipfrac_lower"], clipfrac_lower, rtol=1e-5, atol=1e-7)
+  if log_ratio_scale > 1:
+    assert metrics["pg_clipfrac_lower"] > 0
 
 
-def test_dual_clip_caps_negative_advantage_losses():
+def test_dual_clip_is_on_by_default_at_3_and_can_be_turned_off():
   new, old = np.array([[3.0]]), np.array([[0.0]])  # ratio e^3 = 20
   adv, mask = np.array([[-1.0]]), np.array([[1.0]])
-  plain, _ = rl.policy_loss(new, old, adv, mask)
-  capped, _ = rl.policy_loss(new, old, adv, mask, dual_clip=3.0)
+  plain, plain_metrics = rl.policy_loss(new, old, adv, mask, dual_clip=None)
+  capped, capped_metrics = rl.policy_loss(new, old, adv, mask)
   np.testing.assert_allclose([plain, capped], [np.exp(3.0), 3.0], rtol=1e-5)
+  assert "pg_clipfrac_lower" not in plain_metrics and capped_metrics["pg_clipfrac_lower"] == 1.0
+  assert train_step.LossConfig().dual_clip == 3.0
+  with pytest.raises(UserInputError, match="rl.dual_clip"):
+    train_step.LossConfig(dual_clip=1.0)
 
 
-def test_value_loss_matches_numpy():
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_a_log_ratio_of_100_gives_finite_losses_and_gradients(sign):
+  import jax
+  old = np.zeros((2, 3), np.float32)
+  new = old + sign * np.array([[100.0, 95.0, 0.1], [100.0, 90.0, -0.1]], np.float32)
+  adv = np.array([[1.0, -1.0, 0.5], [-2.0, 2.0, 1.0]], np.float32)
+  mask = np.ones_like(old)
+  for dual_clip in (None, 3.0):
+    loss_fn = lambda lp: rl.policy_loss(lp, old, adv, mask, dual_clip=dual_clip)[0]
+    loss, grad = jax.value_and_grad(loss_fn)(new)
+    assert np.isfinite(loss) and np.all(np.isfinite(grad)), (dual_clip, loss, grad)
+  for estimator in ("k1", "k2", "k3"):
+    kl, grad = jax.value_and_grad(lambda lp: rl.kl_penalty(lp, old, estimator).sum())(new)
+    assert np.isfinite(kl) and np.all(np.isfinite(grad)), (estimator, kl, grad)
+  # The clamp at +-20 is verl's: the k3 estimate is 10 (its own clip) past it.
+  np.testing.assert_allclose(rl.kl_penalty(new, old, "k3")[0, :2], [10.0, 10.0])
+
+
+def test_value_loss_matches_verl():
   rng = np.random.RandomState(3)
-  values, old, returns = rng.randn(2, 5), rng.randn(2, 5), rng.randn(2, 5)
-  mask = np.ones((2, 5), np.float32)
-  loss, _ = rl.value_loss(values, old, returns, mask, clip=0.5)
-  clipped = old + np.clip(values - old, -0.5, 0.5)
-  expected = 0.5 * np.maximum((values - returns) ** 2, (clipped - returns) ** 2).mean()
-  np.testing.assert_allclose(loss, expected, rtol=1e-5)
+  values, old, returns = rng.randn(4, 50), rng.randn(4, 50), rng.randn(4, 50)
+  mask = (rng.rand(4, 50) < 0.8).astype(np.float32)
+  for mode in losses.AGGREGATIONS:
+    loss, metrics = rl.value_loss(values, old, returns, mask, clip=0.5, agg=mode)
+    ref_loss, clipfrac = verl_value_loss(values, old, returns, mask, 0.5, mode)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["value_clip_frac"], clipfrac, rtol=1e-5)
+  assert 0 < metrics["value_clip_frac"] < 1
+
+
+def test_value_clip_frac_counts_no_value_inside_the_clip_band():
+  # old + clip(v - old, +-c) rounds v in float32, and (rounded - R)^2 > (v - R)^2 then
+  # counted about 1.4% of these tokens as clipped; none of them is.
+  rng = np.random.RandomState(4)
+  old = rng.randn(64, 256).astype(np.float32)
+  values = (old + rng.uniform(-0.49, 0.49, old.shape)).astype(np.float32)
+  returns = rng.randn(*old.shape).astype(np.float32)
+  mask = np.ones_like(old)
+  loss, metrics = rl.value_loss(values, old, returns, mask, clip=0.5)
+  assert float(metrics["value_clip_frac"]) == 0.0
+  np.testing.assert_allclose(loss, 0.5 * ((values - returns) ** 2).mean(), rtol=1e-5)
 
 
 def test_entropy_and_kl_estimators():
@@ -136,6 +237,26 @@ def test_entropy_and_kl_estimators():
                              np.exp(ref - logp) - (ref - logp) - 1, rtol=1e-6)
   with pytest.raises(ValueError, match="k4"):
     rl.kl_penalty(logp, ref, "k4")
+
+
+@pytest.mark.parametrize("mode", losses.AGGREGATIONS)
+def test_micro_batch_losses_normalised_by_the_mini_batch_add_up_to_its_loss(mode):
+  new, old, adv, mask = _arrays(seed=6)
+  mask[2] = 0  # a sequence without loss tokens counts in no denominator
+  norm = losses.normaliser(mask)
+  assert (norm.tokens, norm.sequences) == (mask.sum(), 2)
+  per_token = verl_policy_loss(new, old, adv, mask, mode)[4]
+  whole, whole_metrics = rl.policy_loss(new, old, adv, mask, agg=mode)
+  parts = []
+  for rows in (slice(0, 1), slice(1, 3)):
+    part = rl.policy_loss(new[rows], old[rows], adv[rows], mask[rows], agg=mode, norm=norm)
+    # verl's agg_loss given the mini-batch's token / sequence counts
+    np.testing.assert_allclose(part[0], verl_agg_loss(per_token[rows], mask[rows], mode,
+                                                      tokens=mask.sum(), sequences=2), rtol=1e-5)
+    parts.append(part)
+  np.testing.assert_allclose(sum(loss for loss, _ in parts), whole, rtol=1e-5)
+  for key, value in whole_metrics.items():
+    np.testing.assert_allclose(sum(m[key] for _, m in parts), value, rtol=1e-5, atol=1e-7)
 
 
 def test_collate_places_masks_and_rewards_on_the_target_grid():
@@ -158,13 +279,13 @@ def test_a_non_finite_update_leaves_params_and_optimizer_state_untouched():
   tx = optax.adamw(0.1)
   params = {"w": jnp.ones(3)}
   opt_state = tx.init(params)
-  new_params, new_opt, grad_norm, finite = train_step._apply_if_finite(
-      jnp.float32(1.0), {"w": jnp.array([1.0, jnp.nan, 0.0])}, params, opt_state, tx)
+  new_params, new_opt, grad_norm, finite = train_step.apply_gradients(
+      tx, params, opt_state, {"w": jnp.array([1.0, jnp.nan, 0.0])}, jnp.float32(1.0))
   assert not bool(finite) and not np.isfinite(grad_norm)
   np.testing.assert_array_equal(new_params["w"], params["w"])
   assert int(new_opt[0].count) == 0
-  good_params, _, _, ok = train_step._apply_if_finite(
-      jnp.float32(1.0), {"w": jnp.ones(3)}, params, opt_state, tx)
+  good_params, _, _, ok = train_step.apply_gradients(
+      tx, params, opt_state, {"w": jnp.ones(3)}, jnp.float32(1.0))
   assert bool(ok) and not np.allclose(good_params["w"], 1.0)
 
 
@@ -175,8 +296,8 @@ def test_trainer_stops_after_too_many_skipped_updates(monkeypatch, tmp_path):
   run = trainer.Trainer(config)
   real_update = run.policy.update
 
-  def nan_update(batch):
-    metrics = real_update(batch)
+  def nan_update(micro_batches, **kwargs):
+    metrics = real_update(micro_batches, **kwargs)
     return {**metrics, "finite": np.float32(0.0)}  # as a NaN loss reports it
 
   monkeypatch.setattr(run.policy, "update", nan_update)
@@ -217,3 +338,128 @@ def test_sliced_logprobs_and_entropy_equal_the_full_softmax(chunk):
   g_full = jax.grad(loss)(params, False)
   for a, b in zip(jax.tree.leaves(g_sliced), jax.tree.leaves(g_full)):
     np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def _tiny_config():
+  from models import qwen2
+  return qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=1,
+                           num_heads=4, num_kv_heads=2)
+
+
+def _uneven_batch(seed=7):
+  """6 rows: rows 0-1 hold 3 loss tokens each, rows 2-4 30, row 5 none (a filler)."""
+  rng = np.random.RandomState(seed)
+  rows, width = 6, 33
+  mask = np.zeros((rows, width - 1), np.float32)
+  mask[:2, 4:7] = 1
+  mask[2:5, 1:31] = 1
+  return {"input_ids": rng.randint(0, 50, (rows, width)).astype(np.int32),
+          "attention_mask": np.ones((rows, width), bool), "loss_mask": mask,
+          "old_logprobs": (-4.0 + rng.randn(rows, width - 1)).astype(np.float32),
+          "advantages": (rng.randn(rows, width - 1) * mask).astype(np.float32),
+          "returns": (rng.randn(rows, width - 1) + 4.0 * (np.arange(rows) < 2)[:, None]).astype(
+              np.float32),  # the short rows' values are far off
+          "old_values": (0.3 * rng.randn(rows, width - 1)).astype(np.float32)}
+
+
+def _learner(loss_fn, cfg, tx):
+  import jax
+  import jax.numpy as jnp
+  from flax import nnx
+  from models import qwen2
+  if loss_fn is train_step.critic_loss:
+    model = qwen2.Qwen2Value(_tiny_config(), rngs=nnx.Rngs(0))
+    model.value_head.set_value(jax.random.normal(jax.random.key(1), (32,), jnp.float32))
+  else:
+    model = qwen2.init_random(_tiny_config(), seed=0)
+  prefix = "critic_" if loss_fn is train_step.critic_loss else ""
+  return train_step.Learner(model, tx, loss_fn, cfg, metric_prefix=prefix)
+
+
+@pytest.mark.parametrize("loss_name,mode", [
+    ("policy_loss", "token-mean"), ("policy_loss", "seq-mean-token-mean"),
+    ("critic_loss", "token-mean")])
+def test_accumulated_micro_batches_update_like_one_big_batch(loss_name, mode):
+  import jax
+  import optax
+  loss_fn = getattr(train_step, loss_name)
+  cfg = train_step.LossConfig(loss_agg=mode, entropy_coef=0.01)
+  batch = _uneven_batch()
+  micro_batches = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2, 4)]
+  assert [m["loss_mask"].sum() for m in micro_batches] == [6, 60, 30]
+  tx = optax.sgd(0.5)  # plain SGD: the update is the gradient itself
+  whole = _learner(loss_fn, cfg, tx)
+  # The old accumulation averaged the micro-batches' own means: another objective.
+  own_means = [loss_fn(whole.graphdef, cfg, whole.params, m, None)[0] for m in micro_batches]
+  whole_loss = loss_fn(whole.graphdef, cfg, whole.params, batch, None)[0]
+  assert abs(np.mean(own_means) - whole_loss) > 0.05 * abs(whole_loss)
+
+  whole_metrics = whole.update([batch])
+  accumulated = _learner(loss_fn, cfg, tx)
+  accumulated_metrics = accumulated.update(micro_batches)
+  for a, b in zip(jax.tree.leaves(accumulated.params), jax.tree.leaves(whole.params)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+  for key, value in whole_metrics.items():
+    np.testing.assert_allclose(accumulated_metrics[key], value, rtol=1e-4, atol=1e-6,
+                               err_msg=key)
+  prefix = "critic_" if loss_fn is train_step.critic_loss else ""
+  assert accumulated_metrics[prefix + "finite"] == 1.0 and accumulated_metrics[
+      prefix + "grad_norm"] > 0
+
+
+def test_learning_rate_follows_training_steps_and_the_learner_sets_it():
+  import jax
+  cfg = train_step.OptimConfig(lr=1.0, warmup_steps=4, total_steps=10)
+  assert [train_step.learning_rate(cfg, s) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+  cosine = train_step.OptimConfig(lr=1.0, warmup_steps=2, total_steps=10, schedule="cosine")
+  assert train_step.learning_rate(cosine, 2) == 1.0 > train_step.learning_rate(cosine, 6) > 0
+  with pytest.raises(ValueError, match="linear"):
+    train_step.make_optimizer(train_step.OptimConfig(schedule="linear"))
+  batch = _uneven_batch()
+  learner = _learner(train_step.policy_loss, train_step.LossConfig(),
+                     train_step.make_optimizer(train_step.OptimConfig(lr=0.1, weight_decay=0.1)))
+  before = jax.tree.map(np.asarray, learner.params)
+  learner.update([batch], learning_rate=0.0)  # warm-up's first step: nothing moves
+  for a, b in zip(jax.tree.leaves(learner.params), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(a, b)
+  learner.update([batch], learning_rate=0.1)
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(learner.params),
+                                                   jax.tree.leaves(before)))
+
+
+def test_thinking_mini_batches_hold_a_steps_dialogue_count_of_samples():
+  from rlver_jax import trainer
+  batch = {"input_ids": np.arange(10)[:, None] + np.zeros((10, 3), int),
+           "loss_mask": np.ones((10, 2), np.float32)}
+  chunks = trainer._chunks(batch, 4, row_multiple=2)
+  assert [len(c["input_ids"]) for c in chunks] == [4, 4, 2]
+  chunks = trainer._chunks(batch, 4, row_multiple=4)
+  assert [len(c["input_ids"]) for c in chunks] == [4, 4, 4]
+  np.testing.assert_array_equal(chunks[2]["input_ids"][:, 0], [8, 9, 0, 0])
+  assert chunks[2]["loss_mask"][2:].sum() == 0  # padding rows carry no loss
+
+
+def test_a_thinking_step_makes_one_update_per_batch_size_samples(monkeypatch, tmp_path):
+  from rlver_jax import trainer
+  from tests.test_trainer import small_demo
+  config = small_demo(tmp_path, **{"rollout.thinking": True, "optim.warmup_steps": 0})
+  run = trainer.Trainer(config)
+  calls = []
+  real_update = run.policy.update
+
+  def counting_update(micro_batches, **kwargs):
+    calls.append((sum(int((m["loss_mask"].sum(1) > 0).sum()) for m in micro_batches),
+                  kwargs["learning_rate"]))
+    return real_update(micro_batches, **kwargs)
+
+  monkeypatch.setattr(run.policy, "update", counting_update)
+  metrics = run.train_step()
+  samples = metrics["samples"]
+  assert samples > config.batch_size  # one sample per agent turn
+  assert metrics["updates"] == len(calls) == -(-samples // config.batch_size)
+  assert [rows for rows, _ in calls[:-1]] == [config.batch_size] * (len(calls) - 1)
+  assert sum(rows for rows, _ in calls) == samples
+  assert {lr for _, lr in calls} == {config.optim.actor_lr}  # one rate for the whole step
+  for key in ("clip_frac", "pg_clipfrac_lower", "value_clip_frac", "value_loss", "grad_norm",
+              "approx_kl", "entropy"):
+    assert np.isfinite(metrics[key]), key
