@@ -6,9 +6,10 @@
 Writes W/results.jsonl (SAGE's result format: id, emo_point, emo_state,
 history with per-turn emotion and planning, ...), W/summary.json (n, score,
 success_rate, failure_rate in percent, per-intention and per-character
-breakdowns, decoding settings, and the dialogues that failed for
-infrastructure reasons, which are listed and not scored), and PNG plots of
-the emotion trajectories and the final-score histogram.
+breakdowns, decoding settings and the exact system prompt, the share of agent
+turns cut off by max_new_tokens (cut_off_rate, percent), and the dialogues
+that failed for infrastructure reasons, which are listed and not scored), and
+PNG plots of the emotion trajectories and the final-score histogram.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from absl import logging
 from tqdm import tqdm
 
 from rl import rollout as rollout_lib
-from rlver_jax import cli, sharding, simulator_factory
+from rl import system_prompts
+from rlver_jax import cli, config_checks, sharding, simulator_factory
 from rlver_jax import policy as policy_lib
 from sim_user import dynamics, profiles as profiles_lib
 from sim_user.simulator import Dialogue
@@ -86,13 +88,7 @@ def plot(dialogues: list[Dialogue], workdir: str) -> list[str]:
 
 
 def evaluate(config) -> dict:
-  if not config.workdir:
-    raise ValueError("no workdir: set --config.workdir=DIR")
-  if not config.policy.checkpoint:
-    raise ValueError("no policy checkpoint: set --config.policy.checkpoint=DIR")
-  if not config.eval.profiles:
-    raise ValueError("no profiles: set --config.eval.profiles=FILE.jsonl (RLVER's "
-                     "test_profile.jsonl for the Sentient Benchmark)")
+  config_checks.check_eval_config(config)
   os.makedirs(config.workdir, exist_ok=True)
   sharding.maybe_initialize_distributed()
   mesh = sharding.make_mesh(dict(config.mesh))
@@ -101,18 +97,25 @@ def evaluate(config) -> dict:
                                  param_dtype=config.policy.param_dtype, mesh=mesh)
   user = simulator_factory.make_simulated_user(config.sim_user, mesh)
   e = config.eval
+  system_prompt = system_prompts.resolve(e.system_prompt, language=config.sim_user.language,
+                                         thinking=e.thinking)
+  logging.info("policy system prompt (eval.system_prompt=%r): %r", e.system_prompt,
+               system_prompt)
   rollout_cfg = rollout_lib.RolloutConfig(
-      samples_per_profile=1, system_prompt=e.system_prompt, thinking=e.thinking,
+      samples_per_profile=1, system_prompt=system_prompt, thinking=e.thinking,
       max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9, temperature=e.temperature,
       top_p=e.top_p, top_k=e.top_k)
 
   dialogues: list[Dialogue] = []
+  turn_counts = collections.Counter()  # agent turns generated / cut off by max_new_tokens
   with tqdm(total=len(profiles), unit="dialogue", desc="eval") as bar:
     for start in range(0, len(profiles), e.batch_size):
       batch = profiles[start:start + e.batch_size]
       result = rollout_lib.collect(policy.sampler, policy.formatter, user, batch, rollout_cfg,
                                    seed=config.seed + start)
       dialogues += result.dialogues
+      turn_counts.update({key: result.metrics[f"agent_turns/{key}"]
+                          for key in ("generated", "cut_off")})
       bar.update(len(batch))
       scored = [d.emotion for d in dialogues if not d.failure]
       bar.set_postfix(score=f"{dynamics.summarize(scored)['score']:.1f}")
@@ -123,17 +126,22 @@ def evaluate(config) -> dict:
   settings = {"checkpoint": config.policy.checkpoint, "profiles": config.eval.profiles,
               "rules": user.rules.name, "simulator": config.sim_user.backend,
               "simulator_model": config.sim_user.model, "variant": config.sim_user.variant,
-              "thinking": e.thinking, "system_prompt": e.system_prompt,
+              "thinking": e.thinking, "system_prompt_setting": e.system_prompt,
+              "system_prompt": system_prompt,
               "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k,
               "max_new_tokens": e.max_new_tokens, "dtype": config.policy.dtype,
               "seed": config.seed, "simulator_events": dict(user.metrics)}
   summary = summarize(dialogues, settings)
+  summary["agent_turns_generated"] = turn_counts["generated"]
+  summary["agent_turns_cut_off"] = turn_counts["cut_off"]  # stop reason "length"
+  summary["cut_off_rate"] = 100.0 * turn_counts["cut_off"] / max(turn_counts["generated"], 1)
   with open(os.path.join(config.workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2, ensure_ascii=False)
   summary["plots"] = plot(dialogues, config.workdir)
   logging.info("score %.2f, success %.1f%%, failure %.1f%% over %d dialogues (%d failed for "
-               "infrastructure reasons, not scored)", summary["score"], summary["success_rate"],
-               summary["failure_rate"], summary["n"], summary["n_failed"])
+               "infrastructure reasons, not scored); %.1f%% of agent turns cut off at "
+               "max_new_tokens", summary["score"], summary["success_rate"],
+               summary["failure_rate"], summary["n"], summary["n_failed"], summary["cut_off_rate"])
   return summary
 
 
