@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models import partitioning
 from models.sampler import bucket_size
@@ -247,10 +248,24 @@ class Learner:
     if mesh is not None:
       params = jax.device_put(params, partitioning.state_shardings(params, mesh, rules))
     self.params = params
-    self.opt_state = None if tx is None else jax.jit(tx.init)(params)
+    self.opt_state = None if tx is None else jax.jit(
+        tx.init, **self._state_placement(tx, params))(params)
     self._update = None if tx is None else jax.jit(
         functools.partial(update_fn, self.graphdef, tx, cfg), donate_argnums=(0, 1))
     self._forward = {}
+
+  def _state_placement(self, tx, params) -> dict:
+    """Optimizer state sharded like the params it mirrors, scalars replicated.
+
+    tx.init's zeros depend on no input value; unconstrained, jit leaves them
+    all on one device (the whole Adam state of the model on device 0).
+    """
+    if self.mesh is None:
+      return {}
+    return {"out_shardings": optax.tree_utils.tree_map_params(
+        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+        jax.tree.map(lambda x: x.sharding, params),
+        transform_non_params=lambda _: NamedSharding(self.mesh, PartitionSpec()))}
 
   def shard_batch(self, batch: dict) -> dict:
     if self.mesh is None:

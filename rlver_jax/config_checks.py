@@ -44,7 +44,8 @@ class _Problems:
     self.require(field, lambda v: v in choices, f"expected one of {tuple(choices)}")
 
   def given(self, field: str, how: str) -> None:
-    self.require(field, bool, f"not set; {how}")
+    if not self.value(field):
+      self.lines.append(f"{field} is not set: give {how}")
 
   def raise_if_any(self, what: str) -> None:
     if self.lines:
