@@ -232,6 +232,18 @@ def critic_update(graphdef, tx, cfg: LossConfig, params, opt_state, batch):
   return params, opt_state, metrics
 
 
+def _as_jit_writes_it(sharding: NamedSharding) -> NamedSharding:
+  """The same placement without trailing None axes, as jit returns updated state.
+
+  P("fsdp", None) and P("fsdp") place alike but are different jit cache keys;
+  written the same way, the second update reuses the first one's trace.
+  """
+  spec = tuple(sharding.spec)
+  while spec and spec[-1] is None:
+    spec = spec[:-1]
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
 class Learner:
   """Holds one model's graphdef, params and optimizer state, and its jitted update.
 
@@ -246,7 +258,8 @@ class Learner:
     self.mesh = mesh
     self.rules = rules
     if mesh is not None:
-      params = jax.device_put(params, partitioning.state_shardings(params, mesh, rules))
+      params = jax.device_put(params, jax.tree.map(
+          _as_jit_writes_it, partitioning.state_shardings(params, mesh, rules)))
     self.params = params
     self.opt_state = None if tx is None else jax.jit(
         tx.init, **self._state_placement(tx, params))(params)
@@ -257,8 +270,9 @@ class Learner:
   def _state_placement(self, tx, params) -> dict:
     """Optimizer state sharded like the params it mirrors, scalars replicated.
 
-    tx.init's zeros depend on no input value; unconstrained, jit leaves them
-    all on one device (the whole Adam state of the model on device 0).
+    tx.init's zeros depend on no input value; left to sharding propagation,
+    jit may place them elsewhere (on one device), and the first update then
+    reshards the whole state and the second one recompiles.
     """
     if self.mesh is None:
       return {}

@@ -19,19 +19,22 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from configs import eval as eval_config
 from configs import grpo, ppo
+from models import qwen2
+from models.chat import ChatFormatter
 from models.errors import UserInputError
 from models.sampler import LENGTH, STOP, SampleOutput
-from rl import system_prompts
+from rl import system_prompts, train_step
 from rlver_jax import config_checks
 from rlver_jax import eval as evaluator
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
-from rlver_jax import retention, tiny, trainer
+from rlver_jax import retention, sharding, tiny, trainer
 from sim_user import profiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -217,6 +220,29 @@ def test_shipped_numbers():
   assert (plain.eval.thinking, think.eval.thinking) == (False, True)
 
 
+def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(checkpoint):
+  """Found running the recipes: Adam's state sat on one device and step 2 recompiled."""
+  mesh = sharding.make_mesh(dict(ppo.get_config().mesh))  # fsdp over all 8 devices
+  model = qwen2.from_pretrained(checkpoint, dtype="bfloat16", param_dtype="float32", mesh=mesh,
+                                remat=True)
+  learner = train_step.Learner(model, train_step.make_optimizer(train_step.OptimConfig()),
+                               train_step.policy_update, train_step.LossConfig(), mesh)
+  embed = learner.params["backbone"]["embed"].value
+  assert not embed.sharding.is_fully_replicated
+  moments = [x for x in jax.tree.leaves(learner.opt_state) if x.shape == embed.shape]
+  assert moments and all(m.sharding.is_equivalent_to(embed.sharding, embed.ndim)
+                         for m in moments)
+  rows, width = 8, 32
+  batch = {"input_ids": np.ones((rows, width), np.int32),
+           "attention_mask": np.ones((rows, width), np.bool_),
+           "loss_mask": np.ones((rows, width - 1), np.float32),
+           "old_logprobs": np.zeros((rows, width - 1), np.float32),
+           "advantages": np.ones((rows, width - 1), np.float32)}
+  for _ in range(2):
+    learner.update(batch)
+  assert learner._update._cache_size() == 1  # the second update reuses the first's compile
+
+
 # The policy's system prompts.
 
 
@@ -269,7 +295,7 @@ def test_eval_reports_the_system_prompt_and_the_share_of_cut_off_turns(tmp_path,
   sampler = CutOffSampler(tokenizer.encode("<think>hm</think>I hear you."),
                           tokenizer.convert_tokens_to_ids("<|im_end|>"))
   monkeypatch.setattr(evaluator.policy_lib, "load_policy", lambda *a, **k: policy_lib.Policy(
-      model=None, tokenizer=tokenizer, formatter=evaluator.rollout_lib.ChatFormatter(tokenizer),
+      model=None, tokenizer=tokenizer, formatter=ChatFormatter(tokenizer),
       sampler=sampler))
   config = eval_config.get_config("think")
   config.workdir = str(tmp_path)
