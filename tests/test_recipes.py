@@ -121,9 +121,10 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
     assert r["samples"] > 0 and r["dialogues/simulator_failed"] == 0
     for key in ("reward/mean", "pg_loss", "grad_norm", "entropy", "agent_turns/cut_off_rate"):
       assert np.isfinite(r[key]), key
-    assert r["grad_norm"] > 0
+    if config.rl.entropy_coef:  # else equal rewards (the demo's here) leave no gradient
+      assert r["grad_norm"] > 0
     if config.rl.algorithm == "ppo":
-      assert np.isfinite(r["value_loss"]) and r["value_loss"] > 0
+      assert np.isfinite(r["value_loss"])
   # batch_size counts profiles; each is sampled samples_per_profile times.
   assert run.order.position == 2 * config.batch_size
   assert records[0]["agent_turns/generated"] >= (config.batch_size *
