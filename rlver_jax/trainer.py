@@ -3,10 +3,11 @@
 Per step: sample `batch_size` profiles (a seeded order that survives restarts),
 run `rollout.samples_per_profile` dialogues with each, score them, compute
 values / reference logprobs where the algorithm needs them, advantages,
-then `ppo_epochs` passes of mini-batch updates (with gradient accumulation). Orbax checkpoints hold the
-policy, critic, optimizer states, step and data position; a restarted run
-resumes from the latest one. Metrics go to W/metrics.jsonl and TensorBoard,
-the reward curve to W/reward_curve.png, the final policy to W/export.
+then `ppo_epochs` passes of mini-batch updates (with gradient accumulation).
+Orbax checkpoints hold the policy, critic, optimizer states, step and data
+position; a restarted run resumes from the latest one. Metrics go to
+W/metrics.jsonl and TensorBoard, the reward curve to W/reward_curve.png, the
+final policy to W/export.
 """
 
 from __future__ import annotations
