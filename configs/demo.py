@@ -13,6 +13,8 @@ few minutes on two CPU cores; watch W/reward_curve.png.
 from configs import ppo
 from sim_user import profiles
 
+VARIANTS = ppo.VARIANTS
+
 
 def get_config(arg: str = ""):
   c = ppo.base_config(arg)
@@ -31,7 +33,8 @@ def get_config(arg: str = ""):
 
   c.rollout.max_new_tokens = 24
   c.rollout.max_dialogue_tokens = 400
-  c.rollout.system_prompt = c.rollout.system_prompt or "You are a caring listener."
+  if not c.rollout.thinking:  # the demo's own prompt; :think keeps the "rlver" preset
+    c.rollout.system_prompt = "You are a caring listener."
 
   c.optim.actor_lr = 3e-3
   c.optim.critic_lr = 3e-3

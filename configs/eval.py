@@ -5,16 +5,21 @@
       --config.sim_user.base_url=http://localhost:8000/v1 --config.sim_user.model=deepseek-v3
 
 `:think` evaluates a thinking policy (its <think> blocks are hidden from the
-simulated user). Decoding settings are recorded in W/summary.json.
+simulated user) with the training budget of 5000 new tokens a turn. Decoding
+settings, the system prompt and the share of turns cut off by the budget are
+recorded in W/summary.json. `--config.eval.system_prompt=sage` evaluates a
+baseline with SAGE's prompt for tested models.
 """
 
 import ml_collections
 
-from configs import common, ppo
+from configs import common
+
+VARIANTS = ("", "think")
 
 
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-  if arg not in ("", "think"):
+  if arg not in VARIANTS:
     raise ValueError(f"unknown config variant {arg!r}; use '' or 'think'")
   c = common.inference_config()
   c.sim_user = common.sim_user_config(rules="sage_benchmark")
@@ -26,8 +31,10 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.eval.limit = 0  # the first N profiles only (0: all)
   c.eval.min_scored_share = 0.9  # fewer profiles scored (the rest failed in the simulator): error
   c.eval.thinking = arg == "think"
-  c.eval.system_prompt = ppo.THINK_SYSTEM_PROMPT if arg == "think" else ""
-  c.eval.max_new_tokens = 1024
+  # A preset of rl/system_prompts.py ("rlver": the paper's prompt for eval.thinking and
+  # sim_user.language; "sage": SAGE's prompt for tested models) or the prompt itself.
+  c.eval.system_prompt = "rlver"
+  c.eval.max_new_tokens = 5000 if arg == "think" else 1024  # thinking: the training budget
   c.eval.temperature = 0.0  # greedy: the score does not depend on a seed
   c.eval.top_p = 1.0
   c.eval.top_k = 0

@@ -8,26 +8,27 @@
 
 `--config=configs/ppo.py:think` trains the thinking variant (reason in
 <think>...</think>, then reply; each agent turn is its own sample).
+
+`batch_size` counts profiles per step, as verl's batch size counts prompts:
+a step runs batch_size x rollout.samples_per_profile dialogues (PPO: 32 x 1).
 """
 
 import ml_collections
 
 from configs import common
 
-THINK_SYSTEM_PROMPT = (
-    "You are an emotionally intelligent companion. Before each reply, think about what the "
-    "user really needs inside <think>...</think>, then write your reply after the closing tag.")
+VARIANTS = ("", "think")  # --config=configs/ppo.py[:variant]; tests/test_recipes.py runs each
 
 
 def base_config(arg: str = "") -> ml_collections.ConfigDict:
-  if arg not in ("", "think"):
+  if arg not in VARIANTS:
     raise ValueError(f"unknown config variant {arg!r}; use '' or 'think'")
   thinking = arg == "think"
   c = ml_collections.ConfigDict()
   c.workdir = ""
   c.seed = 0
   c.steps = 1000
-  c.batch_size = 32  # dialogues per step (profiles x samples_per_profile)
+  c.batch_size = 32  # profiles per step; dialogues = batch_size x rollout.samples_per_profile
   c.log_every = 1
 
   c.mesh = common.mesh_config()
@@ -48,7 +49,9 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
 
   c.rollout = ml_collections.ConfigDict()
   c.rollout.samples_per_profile = 1
-  c.rollout.system_prompt = THINK_SYSTEM_PROMPT if thinking else ""
+  # A preset of rl/system_prompts.py ("rlver": the paper's prompt for rollout.thinking and
+  # sim_user.language; "sage") or the prompt itself.
+  c.rollout.system_prompt = "rlver"
   c.rollout.thinking = thinking
   c.rollout.format_penalty_reward = 0.0
   c.rollout.max_new_tokens = 5000
@@ -65,7 +68,7 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   c.rl.grpo_normalize_std = True
   c.rl.clip_ratio = 0.2
   c.rl.clip_ratio_high = ml_collections.FieldReference(None, field_type=float)
-  c.rl.dual_clip = ml_collections.FieldReference(None, field_type=float)
+  c.rl.dual_clip = ml_collections.FieldReference(3.0, field_type=float)  # verl's clip_ratio_c
   c.rl.value_clip = 0.5
   c.rl.entropy_coef = 0.001
   c.rl.kl_coef = 0.0  # the released recipe: no KL, no reference pass

@@ -8,6 +8,8 @@ import ml_collections
 
 from configs import common
 
+VARIANTS = ("",)  # no variants: get_config takes no argument
+
 
 def get_config() -> ml_collections.ConfigDict:
   c = common.inference_config()

@@ -12,18 +12,41 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from models.errors import UserInputError
+
 Message = dict  # {"role": str, "content": str}
 
 
-class ChatFormatter:
+class MissingChatTemplate(UserInputError):
+  """Chat messages were given to a tokenizer that has no chat template."""
 
-  def __init__(self, tokenizer, end_of_turn: str = "<|im_end|>"):
-    if not getattr(tokenizer, "chat_template", None):
-      raise ValueError("the tokenizer has no chat template")
+
+class ChatFormatter:
+  """Renders chat messages with the tokenizer's template; `encode` needs no template.
+
+  With `require_template` (the default) a tokenizer without a chat template is
+  refused at once; without it, only rendering messages fails.
+  """
+
+  def __init__(self, tokenizer, end_of_turn: str = "<|im_end|>", require_template: bool = True):
     self.tokenizer = tokenizer
     self.end_of_turn = end_of_turn
+    if require_template:
+      self.check_template()
+
+  @property
+  def has_template(self) -> bool:
+    return bool(getattr(self.tokenizer, "chat_template", None))
+
+  def check_template(self) -> None:
+    if not self.has_template:
+      raise MissingChatTemplate(
+          "the tokenizer has no chat template (no chat_template in tokenizer_config.json, no "
+          "chat_template.jinja), so chat messages cannot be rendered; plain text and token ids "
+          "need none")
 
   def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    self.check_template()
     return self.tokenizer.apply_chat_template(list(messages), tokenize=False,
                                               add_generation_prompt=add_generation_prompt)
 

@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 
 from models.chat import ChatFormatter
-from models.sampler import STOP, Sampler, SamplingParams
+from models.sampler import LENGTH, STOP, Sampler, SamplingParams
 from sim_user import dynamics
 from sim_user.profiles import Profile
 from sim_user.simulator import Dialogue, SimulatedUser
@@ -129,6 +129,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   live = [i for i, d in enumerate(dialogues) if not d.done]
   convs = sampler.start(len(live)) if live and not config.thinking else None
   reply_ended = [True] * len(dialogues)
+  generated_turns, cut_off_turns = 0, 0  # cut off: hit max_new_tokens (stop reason "length")
   turn = 0
   while live:
     if config.thinking:
@@ -154,6 +155,8 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
     for row, i in enumerate(live):
       tokens, logprobs, reason = out.tokens[row], out.logprobs[row], out.stop_reasons[row]
       reply_ended[i] = reason == STOP
+      generated_turns += 1
+      cut_off_turns += reason == LENGTH
       body = tokens[:-1] if reason == STOP else tokens
       # Special tokens stay: <think> may be one, and the format check needs it.
       text = formatter.tokenizer.decode(body, skip_special_tokens=False)
@@ -225,6 +228,9 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
       "time/rollout": time.perf_counter() - start_time,
       "time/simulator": sim_seconds,
       "tokens/generated": int(sum(seq.agent_tokens for seq in sequences)),
+      "agent_turns/generated": generated_turns,
+      "agent_turns/cut_off": cut_off_turns,
+      "agent_turns/cut_off_rate": 100.0 * cut_off_turns / max(generated_turns, 1),
   }
   if config.thinking:
     metrics["format_ok_rate"] = 100.0 * float(np.mean([ok for *_, ok in thinking_turns] or [0]))

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec
 
 from models import partitioning
 from models.errors import UserInputError
@@ -287,6 +288,18 @@ def _add_trees(total, addend):
   return jax.tree.map(jnp.add, total, addend)
 
 
+def _as_jit_writes_it(sharding: NamedSharding) -> NamedSharding:
+  """The same placement without trailing None axes, as jit returns updated state.
+
+  P("fsdp", None) and P("fsdp") place alike but are different jit cache keys;
+  written the same way, the second update reuses the first one's trace.
+  """
+  spec = tuple(sharding.spec)
+  while spec and spec[-1] is None:
+    spec = spec[:-1]
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
 class Learner:
   """Holds one model's graphdef, params and optimizer state, and its jitted updates.
 
@@ -307,9 +320,11 @@ class Learner:
     self.rules = rules
     self.metric_prefix = metric_prefix
     if mesh is not None:
-      params = jax.device_put(params, partitioning.state_shardings(params, mesh, rules))
+      params = jax.device_put(params, jax.tree.map(
+          _as_jit_writes_it, partitioning.state_shardings(params, mesh, rules)))
     self.params = params
-    self.opt_state = None if tx is None else jax.jit(tx.init)(params)
+    self.opt_state = None if tx is None else jax.jit(
+        tx.init, **self._state_placement(tx, params))(params)
     if tx is not None:
       self._update = jax.jit(functools.partial(update, loss_fn, self.graphdef, tx, cfg),
                              donate_argnums=(0, 1))
@@ -318,6 +333,20 @@ class Learner:
       self._apply_gradients = jax.jit(functools.partial(apply_gradients, tx),
                                       donate_argnums=(0, 1))
     self._forward = {}
+
+  def _state_placement(self, tx, params) -> dict:
+    """Optimizer state sharded like the params it mirrors, scalars replicated.
+
+    tx.init's zeros depend on no input value; left to sharding propagation,
+    jit may place them elsewhere (on one device), and the first update then
+    reshards the whole state and the second one recompiles.
+    """
+    if self.mesh is None:
+      return {}
+    return {"out_shardings": optax.tree_utils.tree_map_params(
+        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
+        jax.tree.map(lambda x: x.sharding, params),
+        transform_non_params=lambda _: NamedSharding(self.mesh, PartitionSpec()))}
 
   def shard_batch(self, batch: dict) -> dict:
     if self.mesh is None:

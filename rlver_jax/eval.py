@@ -8,11 +8,13 @@ history with per-turn emotion and planning, ..., plus `failure`, the reason
 a dialogue failed for infrastructure reasons, or null), one line appended as
 each batch of dialogues ends; W/summary.json (n, score, success_rate,
 failure_rate in percent, per-intention and per-character breakdowns, decoding
-settings, simulator events, and the failed dialogues, which are listed and
-not scored), and PNG plots of the emotion trajectories and the final-score
-histogram. Rerun in the same workdir, it resumes: profiles with a scored
-record are skipped, failed ones are run again. It raises EvaluationError when
-fewer than `eval.min_scored_share` of the profiles were scored.
+settings and the exact system prompt, the share of agent turns cut off by
+max_new_tokens (cut_off_rate, percent), simulator events, and the failed
+dialogues, which are listed and not scored), and PNG plots of the emotion
+trajectories and the final-score histogram. Rerun in the same workdir, it
+resumes: profiles with a scored record are skipped, failed ones are run again.
+It raises EvaluationError when fewer than `eval.min_scored_share` of the
+profiles were scored.
 """
 
 from __future__ import annotations
@@ -25,9 +27,10 @@ from typing import Sequence
 from absl import logging
 from tqdm import tqdm
 
+from models.errors import RunStopped
 from rl import rollout as rollout_lib
-from models.errors import RunStopped, UserInputError
-from rlver_jax import cli, run_config, sharding, simulator_factory
+from rl import system_prompts
+from rlver_jax import cli, config_checks, run_config, sharding, simulator_factory
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
 from sim_user import dynamics, profiles as profiles_lib
@@ -120,19 +123,9 @@ def plot(records: Sequence[dict], workdir: str) -> list[str]:
 
 
 def evaluate(config) -> dict:
-  if not config.workdir:
-    raise ValueError("no workdir: set --config.workdir=DIR")
-  if not config.policy.checkpoint:
-    raise ValueError("no policy checkpoint: set --config.policy.checkpoint=DIR")
-  if not config.eval.profiles:
-    raise ValueError("no profiles: set --config.eval.profiles=FILE.jsonl (RLVER's "
-                     "test_profile.jsonl for the Sentient Benchmark)")
+  config_checks.check_eval_config(config)
   os.makedirs(config.workdir, exist_ok=True)
   e = config.eval
-  if e.limit < 0:
-    raise UserInputError(f"eval.limit={e.limit}; expected 0 (every profile) or a count")
-  if not 0 <= e.min_scored_share <= 1:
-    raise UserInputError(f"eval.min_scored_share={e.min_scored_share}; expected a share in [0, 1]")
   profiles = profiles_lib.load_profiles(config.eval.profiles)[:e.limit or None]
   results_path = os.path.join(config.workdir, RESULTS_FILE)
   previous = metrics_lib.read_appended_jsonl(results_path)
@@ -152,12 +145,17 @@ def evaluate(config) -> dict:
                                  param_dtype=config.policy.param_dtype, mesh=mesh)
   user = simulator_factory.make_simulated_user(config.sim_user, mesh)
   user.check_health()  # one request: a dead simulator fails here, fast
+  system_prompt = system_prompts.resolve(e.system_prompt, language=config.sim_user.language,
+                                         thinking=e.thinking)
+  logging.info("policy system prompt (eval.system_prompt=%r): %r", e.system_prompt,
+               system_prompt)
   rollout_cfg = rollout_lib.RolloutConfig(
-      samples_per_profile=1, system_prompt=e.system_prompt, thinking=e.thinking,
+      samples_per_profile=1, system_prompt=system_prompt, thinking=e.thinking,
       max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9, temperature=e.temperature,
       top_p=e.top_p, top_k=e.top_k)
 
   events = dict(earlier_events)
+  turn_counts = collections.Counter()  # agent turns generated / cut off by max_new_tokens
   with tqdm(total=len(profiles), initial=len(profiles) - len(todo), unit="dialogue",
             desc="eval") as bar, open(results_path, "a", **WRITE_TEXT) as results_file:
     for start in range(0, len(todo), e.batch_size):
@@ -168,6 +166,8 @@ def evaluate(config) -> dict:
         by_id[d.profile.id] = sage_record(d)
         results_file.write(json.dumps(by_id[d.profile.id], ensure_ascii=False) + "\n")
       results_file.flush()
+      turn_counts.update({key: result.metrics[f"agent_turns/{key}"]
+                          for key in ("generated", "cut_off")})
       events = dict(collections.Counter(earlier_events) + collections.Counter(user.metrics))
       _write_json(events_path, events)
       bar.update(len(batch))
@@ -181,16 +181,21 @@ def evaluate(config) -> dict:
   settings = {"checkpoint": config.policy.checkpoint, "profiles": config.eval.profiles,
               "limit": e.limit, "rules": user.rules.name, "simulator": config.sim_user.backend,
               "simulator_model": config.sim_user.model, "variant": config.sim_user.variant,
-              "thinking": e.thinking, "system_prompt": e.system_prompt,
+              "thinking": e.thinking, "system_prompt_setting": e.system_prompt,
+              "system_prompt": system_prompt,
               "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k,
               "max_new_tokens": e.max_new_tokens, "dtype": config.policy.dtype,
               "seed": config.seed}
   summary = summarize(records, {p.id: p for p in profiles}, settings, events)
+  summary["agent_turns_generated"] = turn_counts["generated"]  # in this run, not resumed ones
+  summary["agent_turns_cut_off"] = turn_counts["cut_off"]  # stop reason "length"
+  summary["cut_off_rate"] = 100.0 * turn_counts["cut_off"] / max(turn_counts["generated"], 1)
   _write_json(os.path.join(config.workdir, "summary.json"), summary)
   summary["plots"] = plot(records, config.workdir)
   logging.info("score %.2f, success %.1f%%, failure %.1f%% over %d dialogues (%d failed for "
-               "infrastructure reasons, not scored)", summary["score"], summary["success_rate"],
-               summary["failure_rate"], summary["n"], summary["n_failed"])
+               "infrastructure reasons, not scored); %.1f%% of agent turns cut off at "
+               "max_new_tokens", summary["score"], summary["success_rate"],
+               summary["failure_rate"], summary["n"], summary["n_failed"], summary["cut_off_rate"])
   if summary["n"] < e.min_scored_share * len(profiles):
     reasons = "; ".join(f["reason"] for f in summary["failed"][-3:])
     raise EvaluationError(

@@ -5,7 +5,8 @@
   python -m rlver_jax.generate --checkpoint DIR --chat
 
 Each input line is {"messages": [...]} (rendered with the checkpoint's chat
-template), {"prompt": "..."} or {"input_ids": [...]}. Each output line, in
+template), {"prompt": "..."} (plain text, encoded as is) or {"input_ids": [...]};
+only "messages" and --chat need a tokenizer with a chat template. Each output line, in
 input order, has output_ids, logprobs, text and stop_reason. Temperature 0
 is greedy decoding.
 """
@@ -23,13 +24,14 @@ from absl import logging
 from tqdm import tqdm
 
 from models.chat import ChatFormatter
+from models.errors import UserInputError
 from models.sampler import SamplingParams
 from rlver_jax import policy as policy_lib
 from rlver_jax import sharding
 
 
-class InputError(ValueError):
-  pass
+class InputError(UserInputError):
+  """A bad input line or file; the message names the line."""
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -105,6 +107,9 @@ def _request_ids(line: str, formatter: ChatFormatter, vocab_size: int) -> list[i
       if not (isinstance(m, dict) and isinstance(m.get("role"), str)
               and isinstance(m.get("content"), str)):
         raise InputError(f"messages[{i}] needs string 'role' and 'content'")
+    if not formatter.has_template:
+      raise InputError("'messages' need a chat template and this checkpoint's tokenizer has "
+                       "none; give the text as 'prompt' or the tokens as 'input_ids'")
     ids = formatter.prompt_ids(messages)
   elif "prompt" in obj:
     if not isinstance(obj["prompt"], str) or not obj["prompt"]:
@@ -127,7 +132,8 @@ def load(args) -> policy_lib.Policy:
   axes = parse_mesh(args.mesh)
   mesh = sharding.make_mesh(axes) if axes else None
   stops = [name.strip() for name in args.stop.split(",") if name.strip()]
-  return policy_lib.load_policy(args.checkpoint, dtype=args.dtype, mesh=mesh, stops=stops)
+  return policy_lib.load_policy(args.checkpoint, dtype=args.dtype, mesh=mesh, stops=stops,
+                                require_chat_template=args.chat)
 
 
 def decode_reply(tokenizer, tokens: list[int], stop_reason: str) -> str:

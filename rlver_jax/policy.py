@@ -69,12 +69,13 @@ class Policy:
 
 
 def load_policy(checkpoint: str, *, dtype="float32", param_dtype=None, mesh=None,
-                remat: bool = False, stops: Sequence[str] = DEFAULT_STOPS) -> Policy:
+                remat: bool = False, stops: Sequence[str] = DEFAULT_STOPS,
+                require_chat_template: bool = True) -> Policy:
   tokenizer = load_tokenizer(checkpoint)  # first: it fails fast, the weights take a while
   model = qwen2.from_pretrained(checkpoint, dtype=dtype, param_dtype=param_dtype, mesh=mesh,
                                 remat=remat)
   sampler = Sampler(model, stop_token_ids=stop_token_ids(tokenizer, stops,
                                                          model.config.eos_token_id),
                     pad_id=tokenizer.pad_token_id or 0, mesh=mesh)
-  return Policy(model=model, tokenizer=tokenizer, formatter=ChatFormatter(tokenizer),
-                sampler=sampler)
+  formatter = ChatFormatter(tokenizer, require_template=require_chat_template)
+  return Policy(model=model, tokenizer=tokenizer, formatter=formatter, sampler=sampler)

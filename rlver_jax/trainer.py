@@ -1,16 +1,16 @@
 """The RLVER training loop: rollouts against the simulated user, PPO or GRPO updates.
 
-Per step: sample a batch of profiles (a seeded order that survives restarts),
-run the dialogues, score them, compute values / reference logprobs where
-the algorithm needs them, advantages, then `ppo_epochs` passes of
-mini-batch updates (with gradient accumulation). A step where too many
-dialogues failed for infrastructure reasons is not trained on, and too many
-such steps in a row stop the run. Orbax checkpoints (written asynchronously,
-every `checkpoint.every` steps and/or `checkpoint.every_minutes`) hold the
-policy, critic, optimizer states, step and data position; a restarted run
-resumes from the latest one, with the config saved in W/config.json. Metrics
-go to W/metrics.jsonl and TensorBoard, the reward curve to W/reward_curve.png,
-the final policy to W/export.
+Per step: sample `batch_size` profiles (a seeded order that survives restarts),
+run `rollout.samples_per_profile` dialogues with each, score them, compute
+values / reference logprobs where the algorithm needs them, advantages,
+then `ppo_epochs` passes of mini-batch updates (with gradient accumulation).
+A step where too many dialogues failed for infrastructure reasons is not
+trained on, and too many such steps in a row stop the run. Orbax checkpoints
+(written asynchronously, every `checkpoint.every` steps and/or
+`checkpoint.every_minutes`) hold the policy, critic, optimizer states, step
+and data position; a restarted run resumes from the latest one, with the
+config saved in W/config.json. Metrics go to W/metrics.jsonl and TensorBoard,
+the reward curve to W/reward_curve.png, the final policy to W/export.
 """
 
 from __future__ import annotations
@@ -29,9 +29,10 @@ from models import qwen2
 from models.chat import ChatFormatter
 from models.errors import RunStopped
 from models.sampler import Sampler
-from rl import losses
 from rl import rollout as rollout_lib
+from rl import system_prompts
 from rl import train_step
+from rlver_jax import config_checks
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
 from rlver_jax import run_config, sharding, simulator_factory, tiny
@@ -105,29 +106,17 @@ def checkpoint_due(step: int, final_step: int, every: int, every_minutes: float,
           (every_minutes > 0 and seconds_since_save >= 60 * every_minutes))
 
 
-def _require(value, message):
-  if not value:
-    raise ValueError(message)
-  return value
-
-
 def resolve_policy_checkpoint(config) -> str:
   if config.policy.tiny_init:
     path = os.path.join(config.workdir, "init_policy")
     if not os.path.exists(os.path.join(path, "config.json")):
       tiny.write_checkpoint(path, seed=config.seed)
     return path
-  return _require(config.policy.checkpoint,
-                  "no policy checkpoint: set --config.policy.checkpoint=/path/to/Qwen2.5-7B-Instruct "
-                  "(an HF directory with config.json, safetensors and tokenizer files)")
+  return config.policy.checkpoint
 
 
 def loss_config(config) -> train_step.LossConfig:
-  rl = config.rl
-  if rl.algorithm not in ("ppo", "grpo"):
-    raise ValueError(f"rl.algorithm={rl.algorithm!r}; expected ppo or grpo")
-  if rl.loss_agg not in losses.AGGREGATIONS:
-    raise ValueError(f"rl.loss_agg={rl.loss_agg!r}; expected one of {losses.AGGREGATIONS}")
+  rl = config.rl  # checked by config_checks.check_train_config
   return train_step.LossConfig(
       advantage="gae" if rl.algorithm == "ppo" else "grpo", gamma=rl.gamma, lam=rl.lam,
       whiten_advantages=rl.whiten_advantages, grpo_normalize_std=rl.grpo_normalize_std,
@@ -168,8 +157,8 @@ def _chunks(batch: dict, size: int, row_multiple: int) -> list[dict]:
 class Trainer:
 
   def __init__(self, config):
+    config_checks.check_train_config(config)
     self.config = config
-    _require(config.workdir, "no workdir: set --config.workdir=DIR")
     os.makedirs(config.workdir, exist_ok=True)
     self.checkpoints = ocp.CheckpointManager(
         os.path.abspath(os.path.join(config.workdir, "checkpoints")),
@@ -181,24 +170,21 @@ class Trainer:
     sharding.maybe_initialize_distributed()
     self.mesh = sharding.make_mesh(dict(config.mesh))
     self.loss_cfg = loss_config(config)
+    self.system_prompt = system_prompts.resolve(
+        config.rollout.system_prompt, language=config.sim_user.language,
+        thinking=config.rollout.thinking)
+    logging.info("policy system prompt (rollout.system_prompt=%r): %r",
+                 config.rollout.system_prompt, self.system_prompt)
     self.rollout_cfg = rollout_lib.RolloutConfig(
         samples_per_profile=config.rollout.samples_per_profile,
-        system_prompt=config.rollout.system_prompt, thinking=config.rollout.thinking,
+        system_prompt=self.system_prompt, thinking=config.rollout.thinking,
         format_penalty_reward=config.rollout.format_penalty_reward,
         max_new_tokens=config.rollout.max_new_tokens,
         max_dialogue_tokens=config.rollout.max_dialogue_tokens,
         temperature=config.rollout.temperature, top_p=config.rollout.top_p,
         top_k=config.rollout.top_k, reward=config.rl.reward)
-    if config.rl.algorithm == "grpo" and config.rl.reward != "final":
-      raise ValueError("rl.reward='turn' is a PPO ablation; GRPO normalises final rewards")
-    if config.batch_size % config.rollout.samples_per_profile:
-      raise ValueError(f"batch_size={config.batch_size} is not a multiple of "
-                       f"rollout.samples_per_profile={config.rollout.samples_per_profile}")
 
-    self.profiles = profiles_lib.load_profiles(_require(
-        config.data.train_profiles,
-        "no training profiles: set --config.data.train_profiles=FILE.jsonl "
-        "(RLVER's train_profile.jsonl, or sim_user/data/demo_profiles.jsonl)"))
+    self.profiles = profiles_lib.load_profiles(config.data.train_profiles)
     policy_path = resolve_policy_checkpoint(config)
     self.tokenizer = policy_lib.load_tokenizer(policy_path)
     self.formatter = ChatFormatter(self.tokenizer)
@@ -281,8 +267,8 @@ class Trainer:
   def train_step(self) -> dict:
     config = self.config
     step = self.step + 1
-    num_profiles = config.batch_size // config.rollout.samples_per_profile
-    chosen = [self.profiles[i] for i in self.order.take(num_profiles)]
+    # batch_size counts profiles (verl's batch size counts prompts); each is sampled n times.
+    chosen = [self.profiles[i] for i in self.order.take(config.batch_size)]
     sim_counts_before = dict(self.user.metrics)
     self.sampler.update_weights(self.policy.params)
     rollout = rollout_lib.collect(self.sampler, self.formatter, self.user, chosen,

@@ -118,3 +118,46 @@ def test_mesh_flag_parsing():
   assert generate.parse_mesh("") is None
   with pytest.raises(ValueError, match="--mesh"):
     generate.parse_mesh("data")
+
+
+@pytest.fixture(scope="module")
+def untemplated_checkpoint(tmp_path_factory):
+  """The tiny checkpoint with its tokenizer's chat template removed."""
+  path = tmp_path_factory.mktemp("untemplated")
+  tiny.write_checkpoint(str(path), seed=1)
+  (path / "chat_template.jinja").unlink(missing_ok=True)
+  config_file = path / "tokenizer_config.json"
+  tokenizer_config = json.loads(config_file.read_text())
+  tokenizer_config.pop("chat_template", None)
+  config_file.write_text(json.dumps(tokenizer_config))
+  assert not AutoTokenizer.from_pretrained(path).chat_template
+  return path
+
+
+def test_prompts_and_token_ids_need_no_chat_template(untemplated_checkpoint, tiny_checkpoint,
+                                                     tmp_path):
+  prompts = write_jsonl(tmp_path / "in.jsonl", [json.dumps({"prompt": "Tell me more"}),
+                                                json.dumps({"input_ids": [5, 6, 7]})])
+  outputs = []
+  for checkpoint in (untemplated_checkpoint, tiny_checkpoint):
+    out = tmp_path / f"{checkpoint.name}.jsonl"
+    rc = generate.main(["--checkpoint", str(checkpoint), "--prompts", prompts, "--output",
+                        str(out), "--max-new-tokens", "4"])
+    assert rc == 0
+    outputs.append([json.loads(line)["output_ids"] for line in out.read_text().splitlines()])
+  assert outputs[0] == outputs[1]  # same weights: the template plays no part
+
+
+def test_messages_without_a_chat_template_say_what_to_give_instead(untemplated_checkpoint,
+                                                                   tmp_path, capsys):
+  prompts = write_jsonl(tmp_path / "in.jsonl", [
+      json.dumps({"prompt": "fine"}),
+      json.dumps({"messages": [{"role": "user", "content": "hi"}]})])
+  rc = generate.main(["--checkpoint", str(untemplated_checkpoint), "--prompts", prompts,
+                      "--output", str(tmp_path / "out.jsonl")])
+  assert rc == 2
+  err = capsys.readouterr().err
+  assert f"{prompts}:2: 'messages' need a chat template" in err
+  assert "'prompt'" in err and "'input_ids'" in err
+  rc = generate.main(["--checkpoint", str(untemplated_checkpoint), "--chat"])
+  assert rc == 2 and "no chat template" in capsys.readouterr().err
