@@ -299,7 +299,7 @@ class Trainer:
       # dialogue count of samples (over num_minibatches), as the release's
       # ppo_mini_batch_size, so a step makes as many updates as the release's.
       real_rows = {k: v[:len(rollout.samples)] for k, v in arrays.items()}
-      dialogues = num_profiles * config.rollout.samples_per_profile
+      dialogues = config.batch_size * config.rollout.samples_per_profile
       minibatches = _chunks(real_rows, -(-dialogues // config.optim.num_minibatches),
                             self.micro_multiple)
     else:

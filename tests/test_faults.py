@@ -129,7 +129,7 @@ def test_no_key_in_any_log_metric_result_or_error(serve, monkeypatch, caplog):
   assert echoed.failure is None and f"You sent Bearer {REDACTED}." in echoed.history[-1]["content"]
   assert "retry 2/2" in caplog.text and "request_headers" in caplog.text
   with pytest.raises(SimulatorUnavailable) as health_error:
-    backend_for(serve(["echo_auth"]), monkeypatch).health_check()
+    backend_for(serve(["echo_auth"] * 2), monkeypatch).health_check()
   outputs = [caplog.text, json.dumps(user.metrics), str(health_error.value),
              *(json.dumps({"history": d.history, "failure": d.failure}) for d in dialogues)]
   for output in outputs:
@@ -158,10 +158,14 @@ def test_health_check_names_the_url_and_the_error(serve, monkeypatch):
   assert time.monotonic() - start < 1.0
   assert issubclass(SimulatorUnavailable, UserInputError)  # the CLIs print it as one line
 
-  failing = serve(["500"])
+  failing = serve(["500"] * 3)
   with pytest.raises(SimulatorUnavailable, match=f"{failing.url}/chat/completions.*http_500"):
-    backend_for(failing, monkeypatch, max_retries=4).health_check()
-  assert failing.attempts[HEALTH_PROMPT] == 1  # one request, not retried
+    backend_for(failing, monkeypatch, max_retries=1).health_check()
+  assert failing.attempts[HEALTH_PROMPT] == 2  # a busy server gets the usual retries
+
+  busy_once = serve(["500"])
+  backend_for(busy_once, monkeypatch, max_retries=1).health_check()
+  assert busy_once.attempts[HEALTH_PROMPT] == 2
 
   healthy = serve([])
   user_for(backend_for(healthy, monkeypatch)).check_health()

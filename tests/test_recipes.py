@@ -114,7 +114,7 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
     assert run.rollout_cfg.system_prompt == shipped_prompt
   run.run()
 
-  records = metrics_lib.read_metrics(os.path.join(config.workdir, "metrics.jsonl"))
+  records = metrics_lib.read_appended_jsonl(os.path.join(config.workdir, "metrics.jsonl"))
   assert [r["step"] for r in records] == [1, 2]
   for r in records:
     assert r["skipped_updates"] == 0, r  # the update is finite in the recipe's dtypes

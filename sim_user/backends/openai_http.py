@@ -89,15 +89,26 @@ class OpenAIChatBackend:
       return list(pool.map(self._complete_one, [r.prompt for r in requests]))
 
   def health_check(self) -> None:
-    """One small request, not retried. Raises `SimulatorUnavailable` naming the URL and the
-    error when it gets no well-formed answer."""
-    try:
-      self._attempt(self._body(HEALTH_PROMPT))
-    except _Fault as fault:
-      raise SimulatorUnavailable(
-          f"the simulator at {self._clean(self.url)} did not answer a test request "
-          f"({fault.error}); check that it is up and sim_user.base_url, sim_user.model and "
-          f"${self.api_key_env}") from None
+    """One small request. Raises `SimulatorUnavailable` naming the URL and the error when it
+    gets no well-formed answer.
+
+    Nothing listening, no answer in time or a refused key fails at once; a server that is
+    up but answers badly for a moment (429, 5xx, a malformed body) gets the usual retries
+    with backoff, as any call would.
+    """
+    body = self._body(HEALTH_PROMPT)
+    for attempt in range(self.max_retries + 1):
+      try:
+        self._attempt(body)
+        return
+      except _Fault as fault:
+        busy = fault.retryable and fault.error.reason not in ("connection", "timeout")
+        if not busy or attempt == self.max_retries:
+          raise SimulatorUnavailable(
+              f"the simulator at {self._clean(self.url)} did not answer a test request "
+              f"({fault.error}); check that it is up and sim_user.base_url, sim_user.model "
+              f"and ${self.api_key_env}") from None
+        self._sleep_before_retry(attempt, fault.retry_after)
 
   # One request: attempts and retries.
 
