@@ -33,11 +33,11 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from models import attention
 from models import checkpoint_io
 from models.partitioning import constrain
 
 Array = jax.Array
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,10 +238,12 @@ def rope(x_btnh: Array, positions_bt: Array, theta: float) -> Array:
 
 class Attention(nnx.Module):
 
-  def __init__(self, config: Qwen2Config, *, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, config: Qwen2Config, *, param_dtype, implementation: str = "auto",
+               rngs: nnx.Rngs):
     d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_size
     std = config.initializer_range
     self.theta = config.rope_theta
+    self.implementation = attention.check_implementation(implementation)
     self.q_proj = _param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), param_dtype, std)
     self.q_bias = _param(rngs, (n, h), ("q_heads", "head_dim"), param_dtype, 0.0)
     self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, std)
@@ -250,9 +252,13 @@ class Attention(nnx.Module):
     self.v_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, 0.0)
     self.o_proj = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), param_dtype, std)
 
-  def __call__(self, x_btd, positions_bt, mask_bts, k_cache_bskh=None, v_cache_bskh=None,
-               write_index=None):
-    """Returns the attention output and this layer's keys/values ([B, S, K, H])."""
+  def __call__(self, x_btd, positions_bt, kv_positions_bs, k_cache_bskh=None,
+               v_cache_bskh=None, write_index=None):
+    """Returns the attention output and this layer's keys/values ([B, S, K, H]).
+
+    `kv_positions_bs` are the positions of the key slots (the cache's, with
+    this call's tokens written in), -1 where empty; see `attention.visible`.
+    """
     dtype = x_btd.dtype
     q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dtype))
     q_btnh = q_btnh + self.q_bias[...].astype(dtype)
@@ -271,16 +277,9 @@ class Attention(nnx.Module):
       k_bskh = jax.lax.dynamic_update_slice(k_cache_bskh, k_btkh.astype(k_cache_bskh.dtype), start)
       v_bskh = jax.lax.dynamic_update_slice(v_cache_bskh, v_btkh.astype(v_cache_bskh.dtype), start)
 
-    b, t, n, h = q_btnh.shape
-    kv_heads = k_bskh.shape[2]
-    q_btkgh = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h)
-    logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(dtype),
-                              preferred_element_type=jnp.float32)
-    logits_bkgts = logits_bkgts * (h ** -0.5)
-    logits_bkgts = jnp.where(mask_bts[:, None, None], logits_bkgts, _MASK_VALUE)
-    probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(dtype)
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh.astype(dtype))
-    out_btnh = out_btkgh.reshape(b, t, n, h)
+    out_btnh = attention.attend(q_btnh, k_bskh, v_bskh, positions_bt, kv_positions_bs,
+                                implementation=self.implementation,
+                                cached=k_cache_bskh is not None)
     out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_proj[...].astype(dtype))
     return out_btd, k_bskh, v_bskh
 
@@ -305,23 +304,25 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, config: Qwen2Config, *, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, config: Qwen2Config, *, param_dtype, attention: str = "auto",
+               rngs: nnx.Rngs):
     kw = dict(param_dtype=param_dtype, rngs=rngs)
     self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-    self.attn = Attention(config, **kw)
+    self.attn = Attention(config, implementation=attention, **kw)
     self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
     self.mlp = MLP(config, **kw)
 
-  def __call__(self, x_btd, positions_bt, mask_bts, k_cache=None, v_cache=None, write_index=None):
-    attn_btd, k, v = self.attn(self.input_norm(x_btd), positions_bt, mask_bts,
+  def __call__(self, x_btd, positions_bt, kv_positions_bs, k_cache=None, v_cache=None,
+               write_index=None):
+    attn_btd, k, v = self.attn(self.input_norm(x_btd), positions_bt, kv_positions_bs,
                                k_cache, v_cache, write_index)
     x_btd = x_btd + attn_btd
     x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
     return x_btd, k, v
 
 
-def _layer_forward(layer, x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index):
-  return layer(x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index)
+def _layer_forward(layer, x_btd, positions_bt, kv_positions_bs, k_cache, v_cache, write_index):
+  return layer(x_btd, positions_bt, kv_positions_bs, k_cache, v_cache, write_index)
 
 
 _remat_layer_forward = nnx.remat(_layer_forward)
@@ -339,7 +340,7 @@ class Qwen2Backbone(nnx.Module):
   """Embedding, decoder stack and final norm: token ids to hidden states."""
 
   def __init__(self, config: Qwen2Config, *, dtype=jnp.float32, param_dtype=None,
-               remat: bool = False, rngs: nnx.Rngs):
+               remat: bool = False, attention: str = "auto", rngs: nnx.Rngs):
     param_dtype = param_dtype or dtype
     self.config = config
     self.dtype = jnp.dtype(dtype)
@@ -347,7 +348,8 @@ class Qwen2Backbone(nnx.Module):
     kw = dict(param_dtype=param_dtype, rngs=rngs)
     self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
                         param_dtype, config.initializer_range)
-    self.layers = nnx.List([DecoderLayer(config, **kw) for _ in range(config.num_layers)])
+    self.layers = nnx.List([DecoderLayer(config, attention=attention, **kw)
+                            for _ in range(config.num_layers)])
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
   def __call__(self, input_ids_bt, *, positions=None, attention_mask=None, cache=None):
@@ -366,8 +368,6 @@ class Qwen2Backbone(nnx.Module):
       write_index = cache.length
       kv_positions_bs = jax.lax.dynamic_update_slice(
           cache.kv_positions_bs, new_kv_positions_bt, (0, write_index))
-    kv_positions_b1s = kv_positions_bs[:, None, :]
-    mask_bts = (kv_positions_b1s >= 0) & (kv_positions_b1s <= positions_bt[:, :, None])
 
     x_btd = constrain(self.embed[...][input_ids_bt].astype(self.dtype), _RESIDUAL_AXES)
     # Remat saves activation memory for gradients; cached (sampling) passes take none.
@@ -376,7 +376,7 @@ class Qwen2Backbone(nnx.Module):
     for i, layer in enumerate(self.layers):
       k_cache = None if cache is None else cache.k[i]
       v_cache = None if cache is None else cache.v[i]
-      x_btd, k, v = forward(layer, x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index)
+      x_btd, k, v = forward(layer, x_btd, positions_bt, kv_positions_bs, k_cache, v_cache, write_index)
       x_btd = constrain(x_btd, _RESIDUAL_AXES)
       new_k.append(k)
       new_v.append(v)
@@ -398,10 +398,10 @@ class Qwen2(nnx.Module):
   NOT_IN_CHECKPOINT = ()
 
   def __init__(self, config: Qwen2Config, *, dtype=jnp.float32, param_dtype=None,
-               remat: bool = False, rngs: nnx.Rngs):
+               remat: bool = False, attention: str = "auto", rngs: nnx.Rngs):
     self.config = config
     self.backbone = Qwen2Backbone(config, dtype=dtype, param_dtype=param_dtype,
-                                  remat=remat, rngs=rngs)
+                                  remat=remat, attention=attention, rngs=rngs)
     if not config.tie_word_embeddings:
       self.lm_head = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
                             param_dtype or dtype, config.initializer_range)
@@ -430,10 +430,10 @@ class Qwen2Value(nnx.Module):
   NOT_IN_CHECKPOINT = (("value_head",), ("value_bias",))
 
   def __init__(self, config: Qwen2Config, *, dtype=jnp.float32, param_dtype=None,
-               remat: bool = False, rngs: nnx.Rngs):
+               remat: bool = False, attention: str = "auto", rngs: nnx.Rngs):
     self.config = config
     self.backbone = Qwen2Backbone(config, dtype=dtype, param_dtype=param_dtype,
-                                  remat=remat, rngs=rngs)
+                                  remat=remat, attention=attention, rngs=rngs)
     # Zero-initialised so a fresh critic predicts 0 and early updates stay small.
     self.value_head = _param(rngs, (config.hidden_size,), ("embed",), jnp.float32, 0.0)
     self.value_bias = _param(rngs, (), (), jnp.float32, 0.0)
@@ -494,7 +494,7 @@ def _ignorable(lm_head_in_model: bool):
   return ignorable
 
 
-def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat):
+def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat, attention):
   path = os.fspath(path)
   config = Qwen2Config.from_hf_dict(checkpoint_io.read_hf_config(path),
                                     source=os.path.join(path, "config.json"))
@@ -504,7 +504,7 @@ def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat):
   return checkpoint_io.load(
       path,
       build_model=lambda: model_cls(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                    rngs=nnx.Rngs(0)),
+                                    attention=attention, rngs=nnx.Rngs(0)),
       mappings=hf_tensor_mappings(config, lm_head=lm_head),
       ignorable=_ignorable(lm_head),
       zero_init=model_cls.NOT_IN_CHECKPOINT,
@@ -512,19 +512,20 @@ def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat):
 
 
 def from_pretrained(path, dtype="float32", param_dtype=None, mesh=None, rules=None,
-                    remat: bool = False) -> Qwen2:
+                    remat: bool = False, attention: str = "auto") -> Qwen2:
   """Loads an HF Qwen2 checkpoint directory (config.json + safetensors).
 
   `dtype` is the compute dtype, `param_dtype` the storage dtype (default:
   `dtype`). With a `mesh`, each tensor goes straight into its sharding.
   """
-  return _load(Qwen2, path, dtype, param_dtype, mesh, rules, remat)
+  return _load(Qwen2, path, dtype, param_dtype, mesh, rules, remat, attention)
 
 
 def value_model_from_pretrained(path, dtype="float32", param_dtype=None, mesh=None,
-                                rules=None, remat: bool = False) -> Qwen2Value:
+                                rules=None, remat: bool = False,
+                                attention: str = "auto") -> Qwen2Value:
   """A critic whose backbone starts from a policy checkpoint; the head starts at 0."""
-  return _load(Qwen2Value, path, dtype, param_dtype, mesh, rules, remat)
+  return _load(Qwen2Value, path, dtype, param_dtype, mesh, rules, remat, attention)
 
 
 def save_pretrained(model: Qwen2, out_dir, dtype: str | None = None,
@@ -545,6 +546,6 @@ def save_pretrained(model: Qwen2, out_dir, dtype: str | None = None,
 
 
 def init_random(config: Qwen2Config, seed: int = 0, dtype="float32", param_dtype=None,
-                remat: bool = False) -> Qwen2:
+                remat: bool = False, attention: str = "auto") -> Qwen2:
   return Qwen2(config, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype or dtype),
-               remat=remat, rngs=nnx.Rngs(seed))
+               remat=remat, attention=attention, rngs=nnx.Rngs(seed))

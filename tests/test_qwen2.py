@@ -12,6 +12,7 @@ import torch
 import transformers
 from flax import nnx
 
+from models import attention as attention_lib
 from models import qwen2
 from tests.hf_fixtures import hf_logits, make_hf_qwen2
 
@@ -36,15 +37,18 @@ def untied_checkpoint(tmp_path_factory):
   return path, make_hf_qwen2(path, tied=False, heads=4, kv_heads=2)
 
 
-@pytest.mark.parametrize("tied,heads,kv_heads", [
-    (False, 4, 2),   # GQA 2:1
-    (True, 4, 4),    # plain multi-head
-    (False, 8, 1),   # multi-query
-    (True, 6, 2),    # GQA 3:1
+@pytest.mark.parametrize("tied,heads,kv_heads,attention", [
+    (False, 4, 2, "einsum"),     # GQA 2:1
+    (True, 4, 4, "einsum"),      # plain multi-head
+    (False, 8, 1, "einsum"),     # multi-query
+    (True, 6, 2, "einsum"),      # GQA 3:1
+    (False, 8, 1, "blockwise"),
+    (True, 6, 2, "blockwise"),
 ])
-def test_logits_match_transformers_fp32(tmp_path, tied, heads, kv_heads):
+def test_logits_match_transformers_fp32(tmp_path, monkeypatch, tied, heads, kv_heads, attention):
+  monkeypatch.setattr(attention_lib, "DEFAULT_BLOCK", 4)  # 11 tokens: three blocks, a ragged tail
   hf = make_hf_qwen2(tmp_path, tied=tied, heads=heads, kv_heads=kv_heads, hidden=16 * heads)
-  model = qwen2.from_pretrained(tmp_path, dtype="float32")
+  model = qwen2.from_pretrained(tmp_path, dtype="float32", attention=attention)
   assert model.config.tie_word_embeddings == tied
   assert hasattr(model, "lm_head") != tied
   ids = random_ids((3, 11))
@@ -53,10 +57,12 @@ def test_logits_match_transformers_fp32(tmp_path, tied, heads, kv_heads):
   np.testing.assert_allclose(ours, hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
-def test_padded_batch_matches_transformers(untied_checkpoint, side):
+@pytest.mark.parametrize("side,attention", [("left", "einsum"), ("right", "einsum"),
+                                            ("left", "blockwise"), ("right", "blockwise")])
+def test_padded_batch_matches_transformers(untied_checkpoint, monkeypatch, side, attention):
+  monkeypatch.setattr(attention_lib, "DEFAULT_BLOCK", 4)
   path, hf = untied_checkpoint
-  model = qwen2.from_pretrained(path, dtype="float32")
+  model = qwen2.from_pretrained(path, dtype="float32", attention=attention)
   lengths = [9, 4, 6]
   width = max(lengths)
   ids = random_ids((3, width), seed=1)
@@ -148,9 +154,12 @@ def test_save_in_bfloat16_loads_in_transformers(tmp_path, untied_checkpoint):
   np.testing.assert_allclose(np.asarray(ours.backbone.embed.get_value()), ref, atol=1e-2)
 
 
-def test_kv_cache_prefill_then_decode_matches_full_forward(untied_checkpoint):
+@pytest.mark.parametrize("attention", ["einsum", "blockwise"])
+def test_kv_cache_prefill_then_decode_matches_full_forward(untied_checkpoint, monkeypatch,
+                                                          attention):
+  monkeypatch.setattr(attention_lib, "DEFAULT_BLOCK", 4)
   path, _ = untied_checkpoint
-  model = qwen2.from_pretrained(path)
+  model = qwen2.from_pretrained(path, attention=attention)
   ids = random_ids((2, 10), seed=7)
   mask = np.ones((2, 10), np.int32)
   mask[1, :3] = 0  # row 1 is left-padded
