@@ -14,4 +14,4 @@ def get_config(arg: str = ""):
   c.rl.algorithm = "grpo"
   c.rollout.samples_per_profile = 4  # a group shares persona and opening line
   c.batch_size = 32  # dialogues: 8 profiles x 4 samples
-  return c
+  return ppo.planned_memory(c)

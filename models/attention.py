@@ -15,7 +15,7 @@ Implementations (`ATTENTION_IMPLEMENTATIONS`):
   einsum     materialises fp32 scores [B, K, G, T, S]: the reference, and the
              cheapest for single-token decode steps.
   blockwise  flash-style online softmax in plain JAX on every backend: query
-             blocks x key blocks under `lax.scan`, a custom VJP that keeps only
+             blocks x key blocks in while loops, a custom VJP that keeps only
              the output and the log-sum-exp, so forward and backward memory is
              linear in T and S. Key blocks no query of a block can see are skipped.
   cudnn      `jax.nn.dot_product_attention(implementation="cudnn")`, GPU only;
@@ -152,6 +152,29 @@ def _any_visible(q_pos_bq, kv_pos_bc):
   return jnp.min(kv_valid) <= jnp.max(q_pos_bq)
 
 
+def _loop_scan(body, init, xs):
+  """`lax.scan(body, init, xs)` as a while loop.
+
+  The flash kernels are never differentiated (their VJP is custom), yet when
+  they run inside the scanned decoder layers, JAX's partial evaluation of a
+  `lax.scan` nested there keeps every block's scores as stacked [nq, nk, ...]
+  buffers; a while loop has no such residuals.
+  """
+  n = jax.tree.leaves(xs)[0].shape[0]
+  _, y_shapes = jax.eval_shape(body, init, jax.tree.map(lambda x: x[0], xs))
+  ys = jax.tree.map(lambda y: jnp.zeros((n,) + y.shape, y.dtype), y_shapes)
+
+  def step(state):
+    i, carry, ys = state
+    carry, y = body(carry, jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, 0, False),
+                                        xs))
+    ys = jax.tree.map(lambda acc, v: jax.lax.dynamic_update_index_in_dim(acc, v, i, 0), ys, y)
+    return i + 1, carry, ys
+
+  _, carry, ys = jax.lax.while_loop(lambda state: state[0] < n, step, (jnp.int32(0), init, ys))
+  return carry, ys
+
+
 def _flash_forward(q_btkgh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, block_q, block_k):
   """Returns out [B, T, K, G, H] (q's dtype) and log-sum-exp [B, T, K, G] (fp32)."""
   b, t, kh, g, h = q_btkgh.shape
@@ -187,14 +210,14 @@ def _flash_forward(q_btkgh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, block_q, block_
     init = (jnp.full((b, kh, g, q_len), _MASK_VALUE, jnp.float32),
             jnp.zeros((b, kh, g, q_len), jnp.float32),
             jnp.zeros((b, kh, g, q_len, h), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(one_key_block, init, (k_mb, v_mb, kvpos_mb))
+    (m, l, acc), _ = _loop_scan(one_key_block, init, (k_mb, v_mb, kvpos_mb))
     seen = l > 0
     out = jnp.where(seen[..., None], acc / jnp.where(seen, l, 1.0)[..., None], 0.0)
     # Rows that see nothing get +inf so the backward's exp(s - lse) is 0 there.
     lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), jnp.inf)
     return (jnp.einsum("bkgqh->bqkgh", out).astype(dtype), jnp.einsum("bkgq->bqkg", lse))
 
-  out_nb, lse_nb = jax.lax.map(one_query_block, (q_nb, qpos_nb))
+  _, (out_nb, lse_nb) = _loop_scan(lambda _, x: ((), one_query_block(x)), (), (q_nb, qpos_nb))
   return _unblock(out_nb, t), _unblock(lse_nb, t)
 
 
@@ -243,12 +266,12 @@ def _flash_backward(q_btkgh, k_bskh, v_bskh, q_pos_bt, kv_pos_bs, out_btkgh, lse
 
     dk_mb, dv_mb = dkv
     dq0 = jnp.zeros(q_bqkgh.shape, jnp.float32)
-    dq, (dk_mb, dv_mb) = jax.lax.scan(one_key_block, dq0,
+    dq, (dk_mb, dv_mb) = _loop_scan(one_key_block, dq0,
                                       (k_mb, v_mb, kvpos_mb, dk_mb, dv_mb))
     return (dk_mb, dv_mb), dq
 
   dkv0 = (jnp.zeros(k_mb.shape, jnp.float32), jnp.zeros(v_mb.shape, jnp.float32))
-  (dk_mb, dv_mb), dq_nb = jax.lax.scan(one_query_block, dkv0,
+  (dk_mb, dv_mb), dq_nb = _loop_scan(one_query_block, dkv0,
                                        (q_nb, qpos_nb, do_nb, lse_nb, delta_nb))
   return (_unblock(dq_nb, t).astype(dtype), _unblock(dk_mb, s_len).astype(k_bskh.dtype),
           _unblock(dv_mb, s_len).astype(v_bskh.dtype))

@@ -116,12 +116,18 @@ def test_blockwise_bf16_matches_fp32_reference_within_bf16_error():
 
 
 def test_blockwise_backward_holds_no_score_matrix():
-  """The jitted gradient's temporaries grow linearly in T, not with T x S."""
+  """The jitted gradient's temporaries grow linearly in T, not with T x S, also under the
+  scanned decoder layers' `lax.scan` (where nested scans would stack every block's scores)."""
   def temp_bytes(t):
     q, kk, v = _inputs(1, t, t, 2, 1, h=16)
     pos = jnp.arange(t, dtype=jnp.int32)[None]
-    grad = jax.jit(jax.grad(lambda q, k, v: attention.blockwise_attention(
-        q, k, v, pos, pos, block_q=64, block_k=64).sum(), argnums=(0, 1, 2)))
+
+    def two_layers(q, k, v):
+      layer = lambda x, _: (attention.blockwise_attention(x, k, v, pos, pos, block_q=64,
+                                                          block_k=64), None)
+      return jax.lax.scan(layer, q, None, length=2)[0].sum()
+
+    grad = jax.jit(jax.grad(two_layers, argnums=(0, 1, 2)))
     return grad.lower(q, kk, v).compile().memory_analysis().temp_size_in_bytes
 
   small, large = temp_bytes(512), temp_bytes(2048)

@@ -171,3 +171,10 @@ def test_value_pass_runs_in_micro_batches_of_the_update_size():
   whole = np.asarray(learner.apply(train_step.critic_values, batch))
   assert micro.shape == (8, 11)
   np.testing.assert_allclose(micro, whole, atol=1e-5)
+
+
+def test_recipes_state_the_planned_micro_batch_and_remat_policy():
+  from configs import grpo, ppo
+  for config in (ppo.get_config(), grpo.get_config()):
+    assert config.batch_size // config.optim.grad_accum == 8  # the plan's --batch=8
+    assert config.policy.remat and config.policy.remat_policy == "full"
