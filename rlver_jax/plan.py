@@ -71,10 +71,13 @@ def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
                                is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _batch(mesh, batch: int, seq_len: int, *, targets: bool, with_values: bool):
-  def spec(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=partitioning.batch_sharding(shape, mesh))
+def _rows(mesh, shape, dtype):
+  """An abstract array sharded over its leading (batch) axis."""
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=partitioning.batch_sharding(shape, mesh))
 
+
+def _batch(mesh, batch: int, seq_len: int, *, targets: bool, with_values: bool):
+  spec = functools.partial(_rows, mesh)
   out = {"input_ids": spec((batch, seq_len), jnp.int32),
          "attention_mask": spec((batch, seq_len), jnp.bool_)}
   if targets:
@@ -87,7 +90,7 @@ def _batch(mesh, batch: int, seq_len: int, *, targets: bool, with_values: bool):
 
 
 def _device_gib(tree) -> float:
-  """Per-device GiB of a pytree of sharded abstract arrays (the largest shard counts)."""
+  """Per-device GiB of a pytree of sharded abstract arrays."""
   total = 0
   for x in jax.tree.leaves(tree):
     total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
@@ -138,12 +141,9 @@ def _sampler_programs(model: _Model, config, mesh, batch, cache_len, prefill_len
   cache = qwen2.KVCache(
       k=jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=kv),
       v=jax.ShapeDtypeStruct(cache.v.shape, cache.v.dtype, sharding=kv),
-      kv_positions_bs=jax.ShapeDtypeStruct(
-          cache.kv_positions_bs.shape, jnp.int32,
-          sharding=partitioning.batch_sharding(cache.kv_positions_bs.shape, mesh)),
+      kv_positions_bs=_rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
       length=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec())))
-  rows = lambda *shape_dtype: jax.ShapeDtypeStruct(
-      shape_dtype[0], shape_dtype[1], sharding=partitioning.batch_sharding(shape_dtype[0], mesh))
+  rows = functools.partial(_rows, mesh)
   prefill = jax.jit(functools.partial(sampler_lib._prefill, model.graphdef), donate_argnums=(1,))
   out = {"sampler_prefill": _compile(
       prefill, (model.params, cache, rows((batch, prefill_len), jnp.int32),
