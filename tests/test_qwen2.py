@@ -1,5 +1,6 @@
 """Qwen2 in Flax against transformers' PyTorch Qwen2 on the same weights."""
 
+import collections
 import json
 import os
 import shutil
@@ -241,6 +242,29 @@ def test_compile_time_does_not_grow_with_depth():
   four = min(_compiled_gradient(_small_config(4), "full")[0] for _ in range(2))
   deep = min(_compiled_gradient(_small_config(28), "full")[0] for _ in range(2))
   assert deep <= 2 * four, (four, deep)
+
+
+def test_sharded_load_reads_each_tensor_once_into_stacked_layers(untied_checkpoint, monkeypatch):
+  from models import partitioning, safetensors_io
+  from rlver_jax import sharding
+  path, hf = untied_checkpoint
+  reads = collections.Counter()
+  original = safetensors_io.SafetensorsFile.read
+
+  def counting_read(self, name):
+    reads[name] += 1
+    return original(self, name)
+
+  monkeypatch.setattr(safetensors_io.SafetensorsFile, "read", counting_read)
+  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  model = qwen2.from_pretrained(path, mesh=mesh)
+  assert reads and set(reads.values()) == {1}  # 8 devices, yet one read per HF tensor
+  up = model.backbone.layers.mlp.up_proj.get_value()  # [L=2, D=64, F] over fsdp and tensor
+  assert up.shape[0] == 2 and up.addressable_shards[0].data.shape == (2, 16, up.shape[2] // 2)
+  ids = random_ids((4, 7), seed=10)
+  with partitioning.mesh_context(mesh):
+    ours = np.asarray(jax.jit(lambda m, x: m(x))(model, jnp.asarray(ids)))
+  np.testing.assert_allclose(ours, hf_logits(hf, ids), atol=1e-4, rtol=0)
 
 
 def test_value_model_starts_from_policy_backbone(untied_checkpoint):
