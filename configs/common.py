@@ -15,6 +15,8 @@ def policy_config() -> ml_collections.ConfigDict:
   c.dtype = "bfloat16"  # compute dtype
   c.param_dtype = "float32"
   c.remat = True
+  c.remat_policy = "full"  # with remat: full | save_dots | offload (TPU/GPU)
+  c.attention = "auto"  # auto | einsum | blockwise | cudnn (GPU) | splash (TPU)
   return c
 
 

@@ -17,4 +17,4 @@ def get_config(arg: str = ""):
   c.rl.algorithm = "grpo"
   c.rollout.samples_per_profile = 4  # a group shares persona and opening line
   c.batch_size = 32  # profiles: 32 x 4 samples = 128 dialogues per step
-  return c
+  return ppo.planned_memory(c)

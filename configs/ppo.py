@@ -102,5 +102,14 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   return c
 
 
+def planned_memory(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """What the memory plan (`python -m rlver_jax.plan --batch=8`) assumed for Qwen2.5-7B on
+  8 chips: updates, value and reference passes in micro-batches of 8 sequences (one per
+  chip: 32 dialogues = 4 accumulated), each decoder layer rematerialised in full."""
+  c.optim.grad_accum = 4
+  c.policy.remat_policy = "full"
+  return c
+
+
 def get_config(arg: str = "") -> ml_collections.ConfigDict:
-  return base_config(arg)
+  return planned_memory(base_config(arg))

@@ -5,11 +5,17 @@ HF tensor names and its own state paths; this module does the file handling,
 validation and placement. Loading never builds random weights: the model is
 created abstractly (`nnx.eval_shape`) and each tensor is read, converted and
 placed straight into its target sharding, one at a time.
+
+A mapping with a `layer` fills layer `layer` of a stacked variable ([L, ...]
+scanned decoder weights): every HF tensor of that variable is read once and
+its slices go to the host buffers of the devices that hold them, so no
+device (and no host) ever holds more than its own shards.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from typing import Callable, Sequence
@@ -24,7 +30,7 @@ from models import partitioning
 from models import safetensors_io
 from models.errors import MissingInputError, UserInputError
 
-Path = tuple  # a path into an nnx state, e.g. ("backbone", "layers", 0, "attn", "q_proj")
+Path = tuple  # a path into an nnx state, e.g. ("backbone", "layers", "attn", "q_proj")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +39,7 @@ class TensorMapping:
   path: Path
   to_ours: Callable[[np.ndarray], np.ndarray] = lambda x: x
   to_hf: Callable[[np.ndarray], np.ndarray] = lambda x: x
+  layer: int | None = None  # index into the leading axis of a stacked variable
 
 
 def _format_names(names: Sequence[str], limit: int = 20) -> str:
@@ -81,29 +88,66 @@ def load(path: str, *, build_model: Callable[[], nnx.Module], mappings: Sequence
   if unmapped:
     raise AssertionError(f"model state paths with no checkpoint mapping: {sorted(unmapped)}")
 
-  def place(variable: nnx.Variable, host_array: np.ndarray):
-    if mesh is None:
-      return jax.device_put(host_array)
-    sharding = partitioning.named_sharding(variable.get_metadata()["logical_axes"],
-                                           host_array.shape, mesh, rules)
-    return jax.make_array_from_callback(host_array.shape, sharding, lambda idx: host_array[idx])
-
+  groups: dict[Path, list[TensorMapping]] = {}
   for mapping in mappings:
-    variable = flat[mapping.path]
+    groups.setdefault(mapping.path, []).append(mapping)
+  for state_path, group in groups.items():
+    variable = flat[state_path]
     expected = variable.get_value()
-    st = tensors[mapping.hf_name]
-    expected_hf_shape = jax.eval_shape(mapping.to_hf, expected).shape
-    if st.shape(mapping.hf_name) != tuple(expected_hf_shape):
-      raise UserInputError(
-          f"{st.path}: tensor {mapping.hf_name} has shape {st.shape(mapping.hf_name)}, "
-          f"the config in {path}/config.json implies {tuple(expected_hf_shape)}")
-    host = np.asarray(mapping.to_ours(st.read(mapping.hf_name))).astype(expected.dtype)
-    variable.set_value(place(variable, host))
+    stacked = group[0].layer is not None
+    if stacked and sorted(m.layer for m in group) != list(range(expected.shape[0])):
+      raise AssertionError(f"{state_path}: mappings do not cover its {expected.shape[0]} layers")
+    one_shape = expected.shape[1:] if stacked else expected.shape
+    for mapping in group:
+      st = tensors[mapping.hf_name]
+      expected_hf_shape = jax.eval_shape(
+          mapping.to_hf, jax.ShapeDtypeStruct(one_shape, expected.dtype)).shape
+      if st.shape(mapping.hf_name) != tuple(expected_hf_shape):
+        raise UserInputError(
+            f"{st.path}: tensor {mapping.hf_name} has shape {st.shape(mapping.hf_name)}, "
+            f"the config in {path}/config.json implies {tuple(expected_hf_shape)}")
+
+    def read(mapping, dtype=expected.dtype):
+      raw = tensors[mapping.hf_name].read(mapping.hf_name)
+      return np.asarray(mapping.to_ours(raw)).astype(dtype)
+
+    group = sorted(group, key=lambda m: m.layer or 0)
+    variable.set_value(_place(variable, expected.shape, expected.dtype,
+                              [functools.partial(read, m) for m in group], stacked, mesh, rules))
   for state_path in zero_init:
     variable = flat[state_path]
     abstract_value = variable.get_value()
-    variable.set_value(place(variable, np.zeros(abstract_value.shape, abstract_value.dtype)))
+    zeros = lambda v=abstract_value: np.zeros(v.shape, v.dtype)
+    variable.set_value(_place(variable, abstract_value.shape, abstract_value.dtype, [zeros],
+                              False, mesh, rules))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _place(variable: nnx.Variable, shape, dtype, parts: Sequence[Callable[[], np.ndarray]],
+           stacked: bool, mesh, rules) -> jax.Array:
+  """The array `variable` holds, read from `parts` (one per layer when `stacked`)."""
+  if mesh is None:
+    return jax.device_put(np.stack([read() for read in parts]) if stacked else parts[0]())
+  sharding = partitioning.named_sharding(variable.get_metadata()["logical_axes"], shape, mesh,
+                                         rules)
+  if not stacked:
+    host = parts[0]()
+    return jax.make_array_from_callback(shape, sharding, lambda idx: host[idx])
+  # Host buffers for the distinct shards this process holds, filled layer by layer.
+  index_map = sharding.addressable_devices_indices_map(shape)
+  key = lambda idx: tuple(s.indices(n) for s, n in zip(idx, shape))
+  buffers = {}
+  for idx in index_map.values():
+    if key(idx) not in buffers:
+      buffers[key(idx)] = (idx, np.empty([len(range(*k)) for k in key(idx)], dtype))
+  for layer, read in enumerate(parts):
+    host = read()
+    for idx, buffer in buffers.values():
+      first, stop, _ = idx[0].indices(shape[0])
+      if first <= layer < stop:
+        buffer[layer - first] = host[idx[1:]]
+  arrays = [jax.device_put(buffers[key(idx)][1], device) for device, idx in index_map.items()]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
 
 
 def _to_host(array: jax.Array) -> np.ndarray:
@@ -120,7 +164,8 @@ def save(model: nnx.Module, out_dir: str, *, mappings: Sequence[TensorMapping], 
 
   def tensors():
     for mapping in mappings:
-      host = _to_host(flat[mapping.path].get_value())
+      value = flat[mapping.path].get_value()
+      host = _to_host(value if mapping.layer is None else value[mapping.layer])
       host = np.asarray(mapping.to_hf(host))
       yield mapping.hf_name, host if save_dtype is None else host.astype(save_dtype)
 

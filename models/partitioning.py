@@ -24,7 +24,8 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
     "batch": ("data", "fsdp"),
     "seq": (),
     "cache_seq": (),
-    # weights
+    # weights ("layers": the stacked decoder-layer axis, scanned over, never split)
+    "layers": (),
     "vocab": ("tensor",),
     "embed": ("fsdp",),
     "mlp": ("tensor",),

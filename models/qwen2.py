@@ -12,6 +12,10 @@ separate so tensor parallelism over heads is explicit in the sharding spec.
   down        [F, D]        ("mlp", "embed")
   lm_head     [V, D]        ("vocab", "embed")   (absent when tied)
 
+The decoder layers' weights (q_proj ... down_proj, the layer norms) are
+stacked with a leading [L] axis ("layers", never sharded) and run under
+`lax.scan`; the KV cache is stacked the same way ([L, B, S, K, H]).
+
 Shape letters: B batch, T new tokens, S cache slots, D model width, N query
 heads, K key/value heads, G = N // K query heads per kv head, H head width,
 F MLP width, V vocabulary, L layers.
@@ -33,11 +37,12 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from models import attention
 from models import checkpoint_io
+from models.errors import UserInputError
 from models.partitioning import constrain
 
 Array = jax.Array
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,19 +170,17 @@ class KVCache:
   never attended. The caller keeps length + T <= S (the sampler checks it).
   """
 
-  k: tuple[Array, ...]  # L x [B, S, K, H]
-  v: tuple[Array, ...]  # L x [B, S, K, H]
+  k: Array  # [L, B, S, K, H]
+  v: Array  # [L, B, S, K, H]
   kv_positions_bs: Array  # int32 [B, S], -1 where empty or padding
   length: Array  # int32 [], slots written so far
 
   @classmethod
   def init(cls, config: Qwen2Config, batch_size: int, max_len: int,
            dtype=jnp.bfloat16) -> "KVCache":
-    shape = (batch_size, max_len, config.num_kv_heads, config.head_size)
-    # Distinct buffers per layer and for k and v, so each can be donated.
-    def zeros():
-      return tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
-    return cls(k=zeros(), v=zeros(),
+    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_size)
+    # Distinct buffers for k and v, so each can be donated.
+    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                kv_positions_bs=jnp.full((batch_size, max_len), -1, jnp.int32),
                length=jnp.zeros((), jnp.int32))
 
@@ -192,7 +195,7 @@ class KVCache:
 
 
 # Logical axes of the cache arrays, for placing them on a mesh.
-KV_CACHE_AXES = ("batch", "cache_seq", "kv_heads", "head_dim")
+KV_CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
 # ... and of activations (see partitioning.constrain).
 _RESIDUAL_AXES = ("batch", "seq", None)
 _HEADS_AXES = {"q": ("batch", "seq", "q_heads", "head_dim"),
@@ -238,10 +241,12 @@ def rope(x_btnh: Array, positions_bt: Array, theta: float) -> Array:
 
 class Attention(nnx.Module):
 
-  def __init__(self, config: Qwen2Config, *, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, config: Qwen2Config, *, param_dtype, implementation: str = "auto",
+               rngs: nnx.Rngs):
     d, n, k, h = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_size
     std = config.initializer_range
     self.theta = config.rope_theta
+    self.implementation = attention.check_implementation(implementation)
     self.q_proj = _param(rngs, (d, n, h), ("embed", "q_heads", "head_dim"), param_dtype, std)
     self.q_bias = _param(rngs, (n, h), ("q_heads", "head_dim"), param_dtype, 0.0)
     self.k_proj = _param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), param_dtype, std)
@@ -250,9 +255,14 @@ class Attention(nnx.Module):
     self.v_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, 0.0)
     self.o_proj = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), param_dtype, std)
 
-  def __call__(self, x_btd, positions_bt, mask_bts, k_cache_bskh=None, v_cache_bskh=None,
-               write_index=None):
-    """Returns the attention output and this layer's keys/values ([B, S, K, H])."""
+  def __call__(self, x_btd, positions_bt, kv_positions_bs, k_cache_bskh=None,
+               v_cache_bskh=None, write_index=None):
+    """Returns the attention output and the new tokens' keys and values ([B, T, K, H]).
+
+    `kv_positions_bs` are the positions of the key slots (the cache's, with
+    this call's tokens written in at `write_index`), -1 where empty; see
+    `attention.visible`. The caller stores the returned keys and values.
+    """
     dtype = x_btd.dtype
     q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dtype))
     q_btnh = q_btnh + self.q_bias[...].astype(dtype)
@@ -267,22 +277,16 @@ class Attention(nnx.Module):
     if k_cache_bskh is None:
       k_bskh, v_bskh = k_btkh, v_btkh
     else:
+      k_btkh, v_btkh = k_btkh.astype(k_cache_bskh.dtype), v_btkh.astype(v_cache_bskh.dtype)
       start = (0, write_index, 0, 0)
-      k_bskh = jax.lax.dynamic_update_slice(k_cache_bskh, k_btkh.astype(k_cache_bskh.dtype), start)
-      v_bskh = jax.lax.dynamic_update_slice(v_cache_bskh, v_btkh.astype(v_cache_bskh.dtype), start)
+      k_bskh = jax.lax.dynamic_update_slice(k_cache_bskh, k_btkh, start)
+      v_bskh = jax.lax.dynamic_update_slice(v_cache_bskh, v_btkh, start)
 
-    b, t, n, h = q_btnh.shape
-    kv_heads = k_bskh.shape[2]
-    q_btkgh = q_btnh.reshape(b, t, kv_heads, n // kv_heads, h)
-    logits_bkgts = jnp.einsum("btkgh,bskh->bkgts", q_btkgh, k_bskh.astype(dtype),
-                              preferred_element_type=jnp.float32)
-    logits_bkgts = logits_bkgts * (h ** -0.5)
-    logits_bkgts = jnp.where(mask_bts[:, None, None], logits_bkgts, _MASK_VALUE)
-    probs_bkgts = jax.nn.softmax(logits_bkgts, axis=-1).astype(dtype)
-    out_btkgh = jnp.einsum("bkgts,bskh->btkgh", probs_bkgts, v_bskh.astype(dtype))
-    out_btnh = out_btkgh.reshape(b, t, n, h)
+    out_btnh = attention.attend(q_btnh, k_bskh, v_bskh, positions_bt, kv_positions_bs,
+                                implementation=self.implementation,
+                                cached=k_cache_bskh is not None)
     out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_proj[...].astype(dtype))
-    return out_btd, k_bskh, v_bskh
+    return out_btd, k_btkh, v_btkh
 
 
 class MLP(nnx.Module):
@@ -305,26 +309,69 @@ class MLP(nnx.Module):
 
 class DecoderLayer(nnx.Module):
 
-  def __init__(self, config: Qwen2Config, *, param_dtype, rngs: nnx.Rngs):
+  def __init__(self, config: Qwen2Config, *, param_dtype, attention: str = "auto",
+               rngs: nnx.Rngs):
     kw = dict(param_dtype=param_dtype, rngs=rngs)
     self.input_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
-    self.attn = Attention(config, **kw)
+    self.attn = Attention(config, implementation=attention, **kw)
     self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
     self.mlp = MLP(config, **kw)
 
-  def __call__(self, x_btd, positions_bt, mask_bts, k_cache=None, v_cache=None, write_index=None):
-    attn_btd, k, v = self.attn(self.input_norm(x_btd), positions_bt, mask_bts,
+  def __call__(self, x_btd, positions_bt, kv_positions_bs, k_cache=None, v_cache=None,
+               write_index=None):
+    attn_btd, k, v = self.attn(self.input_norm(x_btd), positions_bt, kv_positions_bs,
                                k_cache, v_cache, write_index)
     x_btd = x_btd + attn_btd
     x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
     return x_btd, k, v
 
 
-def _layer_forward(layer, x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index):
-  return layer(x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index)
+REMAT_POLICIES = ("none", "full", "save_dots", "offload")
 
 
-_remat_layer_forward = nnx.remat(_layer_forward)
+def remat_policy_name(remat: bool | str) -> str:
+  """`remat` as a policy name; True and False (older configs) mean full and none."""
+  name = ("full" if remat else "none") if isinstance(remat, bool) else remat
+  if name not in REMAT_POLICIES:
+    raise UserInputError(f"remat policy {remat!r} (policy.remat_policy); expected one of "
+                         f"{', '.join(REMAT_POLICIES)}")
+  return name
+
+
+def _checkpointed(fn, policy: str):
+  """`fn` under the remat policy: what the backward pass keeps of one layer.
+
+  full keeps only the layer's input; save_dots also keeps the outputs of the
+  weight matmuls (projections, MLP) and recomputes attention and elementwise
+  ops; offload keeps those matmul outputs in host memory (TPU and GPU).
+  """
+  if policy == "none":
+    return fn
+  if policy == "full":
+    return jax.checkpoint(fn)
+  if policy == "save_dots":
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  if jax.default_backend() == "cpu":
+    raise UserInputError("remat policy 'offload' (policy.remat_policy) needs host offload, which "
+                         "the CPU backend lacks; use save_dots or full")
+  return jax.checkpoint(fn, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+      "device", "pinned_host"))
+
+
+def _stacked_layers(config: Qwen2Config, *, param_dtype, attention: str,
+                    rngs: nnx.Rngs) -> DecoderLayer:
+  """All decoder layers as one module whose weights have a leading layer axis [L, ...]."""
+
+  @nnx.split_rngs(splits=config.num_layers)
+  @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=config.num_layers)
+  def make(rngs):
+    return DecoderLayer(config, param_dtype=param_dtype, attention=attention, rngs=rngs)
+
+  layers = make(rngs)
+  for _, variable in nnx.iter_graph(layers):
+    if isinstance(variable, nnx.Variable):
+      variable.set_metadata(logical_axes=("layers",) + variable.get_metadata()["logical_axes"])
+  return layers
 
 
 def default_positions(attention_mask_bt: Array, cache: KVCache | None) -> Array:
@@ -336,18 +383,25 @@ def default_positions(attention_mask_bt: Array, cache: KVCache | None) -> Array:
 
 
 class Qwen2Backbone(nnx.Module):
-  """Embedding, decoder stack and final norm: token ids to hidden states."""
+  """Embedding, decoder stack and final norm: token ids to hidden states.
+
+  The decoder layers are one stacked module (weights [L, ...], logical axis
+  "layers") run under `lax.scan`, so the program holds one layer body
+  whatever the depth. `remat` (a policy in REMAT_POLICIES, or a bool) applies
+  to that body on uncached (training) passes; cached sampling passes take
+  no gradients and skip it.
+  """
 
   def __init__(self, config: Qwen2Config, *, dtype=jnp.float32, param_dtype=None,
-               remat: bool = False, rngs: nnx.Rngs):
+               remat: bool | str = False, attention: str = "auto", rngs: nnx.Rngs):
     param_dtype = param_dtype or dtype
     self.config = config
     self.dtype = jnp.dtype(dtype)
-    self.remat = remat
+    self.remat = remat_policy_name(remat)
     kw = dict(param_dtype=param_dtype, rngs=rngs)
     self.embed = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
                         param_dtype, config.initializer_range)
-    self.layers = nnx.List([DecoderLayer(config, **kw) for _ in range(config.num_layers)])
+    self.layers = _stacked_layers(config, attention=attention, **kw)
     self.final_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
 
   def __call__(self, input_ids_bt, *, positions=None, attention_mask=None, cache=None):
@@ -358,35 +412,43 @@ class Qwen2Backbone(nnx.Module):
     positions_bt = (default_positions(attention_mask_bt, cache) if positions is None
                     else positions.astype(jnp.int32))
     new_kv_positions_bt = jnp.where(attention_mask_bt, positions_bt, -1)
-
     if cache is None:
       kv_positions_bs = new_kv_positions_bt
-      write_index = None
     else:
-      write_index = cache.length
       kv_positions_bs = jax.lax.dynamic_update_slice(
-          cache.kv_positions_bs, new_kv_positions_bt, (0, write_index))
-    kv_positions_b1s = kv_positions_bs[:, None, :]
-    mask_bts = (kv_positions_b1s >= 0) & (kv_positions_b1s <= positions_bt[:, :, None])
+          cache.kv_positions_bs, new_kv_positions_bt, (0, cache.length))
 
     x_btd = constrain(self.embed[...][input_ids_bt].astype(self.dtype), _RESIDUAL_AXES)
-    # Remat saves activation memory for gradients; cached (sampling) passes take none.
-    forward = _remat_layer_forward if self.remat and cache is None else _layer_forward
-    new_k, new_v = [], []
-    for i, layer in enumerate(self.layers):
-      k_cache = None if cache is None else cache.k[i]
-      v_cache = None if cache is None else cache.v[i]
-      x_btd, k, v = forward(layer, x_btd, positions_bt, mask_bts, k_cache, v_cache, write_index)
-      x_btd = constrain(x_btd, _RESIDUAL_AXES)
-      new_k.append(k)
-      new_v.append(v)
-    x_btd = self.final_norm(x_btd)
+    layer_graph, layer_state = nnx.split(self.layers)
 
     if cache is None:
-      return x_btd, None
-    new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), kv_positions_bs=kv_positions_bs,
+      def body(x_btd, state):
+        layer = nnx.merge(layer_graph, state)
+        x_btd, _, _ = layer(x_btd, positions_bt, kv_positions_bs)
+        return constrain(x_btd, _RESIDUAL_AXES), None
+
+      x_btd, _ = jax.lax.scan(_checkpointed(body, self.remat), x_btd, layer_state)
+      return self.final_norm(x_btd), None
+
+    # The stacked cache rides in the carry, so each layer's new keys and values
+    # are written in place; the layer reads its own slice.
+    def cached_body(carry, xs):
+      x_btd, k_lbskh, v_lbskh = carry
+      state, i = xs
+      layer = nnx.merge(layer_graph, state)
+      x_btd, k_btkh, v_btkh = layer(x_btd, positions_bt, kv_positions_bs, k_lbskh[i],
+                                    v_lbskh[i], cache.length)
+      start = (i, 0, cache.length, 0, 0)
+      k_lbskh = jax.lax.dynamic_update_slice(k_lbskh, k_btkh[None], start)
+      v_lbskh = jax.lax.dynamic_update_slice(v_lbskh, v_btkh[None], start)
+      return (constrain(x_btd, _RESIDUAL_AXES), k_lbskh, v_lbskh), None
+
+    layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    (x_btd, k, v), _ = jax.lax.scan(cached_body, (x_btd, cache.k, cache.v),
+                                    (layer_state, layer_index))
+    new_cache = KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs,
                         length=cache.length + input_ids_bt.shape[1])
-    return x_btd, new_cache
+    return self.final_norm(x_btd), new_cache
 
 
 class Qwen2(nnx.Module):
@@ -398,10 +460,10 @@ class Qwen2(nnx.Module):
   NOT_IN_CHECKPOINT = ()
 
   def __init__(self, config: Qwen2Config, *, dtype=jnp.float32, param_dtype=None,
-               remat: bool = False, rngs: nnx.Rngs):
+               remat: bool | str = False, attention: str = "auto", rngs: nnx.Rngs):
     self.config = config
     self.backbone = Qwen2Backbone(config, dtype=dtype, param_dtype=param_dtype,
-                                  remat=remat, rngs=rngs)
+                                  remat=remat, attention=attention, rngs=rngs)
     if not config.tie_word_embeddings:
       self.lm_head = _param(rngs, (config.vocab_size, config.hidden_size), ("vocab", "embed"),
                             param_dtype or dtype, config.initializer_range)
@@ -430,10 +492,10 @@ class Qwen2Value(nnx.Module):
   NOT_IN_CHECKPOINT = (("value_head",), ("value_bias",))
 
   def __init__(self, config: Qwen2Config, *, dtype=jnp.float32, param_dtype=None,
-               remat: bool = False, rngs: nnx.Rngs):
+               remat: bool | str = False, attention: str = "auto", rngs: nnx.Rngs):
     self.config = config
     self.backbone = Qwen2Backbone(config, dtype=dtype, param_dtype=param_dtype,
-                                  remat=remat, rngs=rngs)
+                                  remat=remat, attention=attention, rngs=rngs)
     # Zero-initialised so a fresh critic predicts 0 and early updates stay small.
     self.value_head = _param(rngs, (config.hidden_size,), ("embed",), jnp.float32, 0.0)
     self.value_bias = _param(rngs, (), (), jnp.float32, 0.0)
@@ -463,23 +525,25 @@ def hf_tensor_mappings(config: Qwen2Config, *, lm_head: bool) -> list[checkpoint
   mappings = [tm("model.embed_tokens.weight", ("backbone", "embed")),
               tm("model.norm.weight", ("backbone", "final_norm", "scale"))]
   for i in range(config.num_layers):
-    hf, ours = f"model.layers.{i}", ("backbone", "layers", i)
+    hf, ours = f"model.layers.{i}", ("backbone", "layers")
+    layer = dict(layer=i)  # our layer weights are stacked: layer i of [L, ...]
     mappings += [
-        tm(f"{hf}.input_layernorm.weight", ours + ("input_norm", "scale")),
-        tm(f"{hf}.post_attention_layernorm.weight", ours + ("post_attn_norm", "scale")),
-        tm(f"{hf}.mlp.gate_proj.weight", ours + ("mlp", "gate_proj"), **dense),
-        tm(f"{hf}.mlp.up_proj.weight", ours + ("mlp", "up_proj"), **dense),
-        tm(f"{hf}.mlp.down_proj.weight", ours + ("mlp", "down_proj"), **dense),
+        tm(f"{hf}.input_layernorm.weight", ours + ("input_norm", "scale"), **layer),
+        tm(f"{hf}.post_attention_layernorm.weight", ours + ("post_attn_norm", "scale"), **layer),
+        tm(f"{hf}.mlp.gate_proj.weight", ours + ("mlp", "gate_proj"), **dense, **layer),
+        tm(f"{hf}.mlp.up_proj.weight", ours + ("mlp", "up_proj"), **dense, **layer),
+        tm(f"{hf}.mlp.down_proj.weight", ours + ("mlp", "down_proj"), **dense, **layer),
         tm(f"{hf}.self_attn.o_proj.weight", ours + ("attn", "o_proj"),
-           to_ours=lambda w: w.T.reshape(n, h, d), to_hf=lambda w: w.reshape(n * h, d).T),
+           to_ours=lambda w: w.T.reshape(n, h, d), to_hf=lambda w: w.reshape(n * h, d).T,
+           **layer),
     ]
     for name, heads in (("q", n), ("k", k), ("v", k)):
       mappings += [
           tm(f"{hf}.self_attn.{name}_proj.weight", ours + ("attn", f"{name}_proj"),
-             **heads_in(heads)),
+             **heads_in(heads), **layer),
           tm(f"{hf}.self_attn.{name}_proj.bias", ours + ("attn", f"{name}_bias"),
              to_ours=lambda b, heads=heads: b.reshape(heads, h),
-             to_hf=lambda b, heads=heads: b.reshape(heads * h)),
+             to_hf=lambda b, heads=heads: b.reshape(heads * h), **layer),
       ]
   if lm_head:
     mappings.append(tm("lm_head.weight", ("lm_head",)))
@@ -494,7 +558,7 @@ def _ignorable(lm_head_in_model: bool):
   return ignorable
 
 
-def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat):
+def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat, attention):
   path = os.fspath(path)
   config = Qwen2Config.from_hf_dict(checkpoint_io.read_hf_config(path),
                                     source=os.path.join(path, "config.json"))
@@ -504,7 +568,7 @@ def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat):
   return checkpoint_io.load(
       path,
       build_model=lambda: model_cls(config, dtype=dtype, param_dtype=param_dtype, remat=remat,
-                                    rngs=nnx.Rngs(0)),
+                                    attention=attention, rngs=nnx.Rngs(0)),
       mappings=hf_tensor_mappings(config, lm_head=lm_head),
       ignorable=_ignorable(lm_head),
       zero_init=model_cls.NOT_IN_CHECKPOINT,
@@ -512,19 +576,20 @@ def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat):
 
 
 def from_pretrained(path, dtype="float32", param_dtype=None, mesh=None, rules=None,
-                    remat: bool = False) -> Qwen2:
+                    remat: bool | str = False, attention: str = "auto") -> Qwen2:
   """Loads an HF Qwen2 checkpoint directory (config.json + safetensors).
 
   `dtype` is the compute dtype, `param_dtype` the storage dtype (default:
   `dtype`). With a `mesh`, each tensor goes straight into its sharding.
   """
-  return _load(Qwen2, path, dtype, param_dtype, mesh, rules, remat)
+  return _load(Qwen2, path, dtype, param_dtype, mesh, rules, remat, attention)
 
 
 def value_model_from_pretrained(path, dtype="float32", param_dtype=None, mesh=None,
-                                rules=None, remat: bool = False) -> Qwen2Value:
+                                rules=None, remat: bool | str = False,
+                                attention: str = "auto") -> Qwen2Value:
   """A critic whose backbone starts from a policy checkpoint; the head starts at 0."""
-  return _load(Qwen2Value, path, dtype, param_dtype, mesh, rules, remat)
+  return _load(Qwen2Value, path, dtype, param_dtype, mesh, rules, remat, attention)
 
 
 def save_pretrained(model: Qwen2, out_dir, dtype: str | None = None,
@@ -545,6 +610,6 @@ def save_pretrained(model: Qwen2, out_dir, dtype: str | None = None,
 
 
 def init_random(config: Qwen2Config, seed: int = 0, dtype="float32", param_dtype=None,
-                remat: bool = False) -> Qwen2:
+                remat: bool | str = False, attention: str = "auto") -> Qwen2:
   return Qwen2(config, dtype=jnp.dtype(dtype), param_dtype=jnp.dtype(param_dtype or dtype),
-               remat=remat, rngs=nnx.Rngs(seed))
+               remat=remat, attention=attention, rngs=nnx.Rngs(seed))

@@ -179,10 +179,9 @@ class Sampler:
   def _place_cache(self, cache: KVCache) -> KVCache:
     if self.mesh is None:
       return cache
-    kv = self._sharding(KV_CACHE_AXES, cache.k[0].shape)
+    kv = self._sharding(KV_CACHE_AXES, cache.k.shape)
     return KVCache(
-        k=tuple(jax.device_put(x, kv) for x in cache.k),
-        v=tuple(jax.device_put(x, kv) for x in cache.v),
+        k=jax.device_put(cache.k, kv), v=jax.device_put(cache.v, kv),
         kv_positions_bs=jax.device_put(
             cache.kv_positions_bs,
             self._sharding(("batch", "cache_seq"), cache.kv_positions_bs.shape)),
@@ -201,9 +200,9 @@ class Sampler:
     slots = bucket_size(needed_slots, self.min_cache_bucket)
     extra = slots - convs.capacity
     cache = convs.cache
-    pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+    pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
     convs.cache = self._place_cache(KVCache(
-        k=tuple(pad_kv(x) for x in cache.k), v=tuple(pad_kv(x) for x in cache.v),
+        k=pad_kv(cache.k), v=pad_kv(cache.v),
         kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
         length=cache.length))
 
@@ -217,7 +216,7 @@ class Sampler:
     batch = self._batch_bucket(len(rows))
     index = jnp.asarray(rows + [rows[0]] * (batch - len(rows)), jnp.int32)
     cache = convs.cache
-    cache = KVCache(k=tuple(x[index] for x in cache.k), v=tuple(x[index] for x in cache.v),
+    cache = KVCache(k=cache.k[:, index], v=cache.v[:, index],
                     kv_positions_bs=cache.kv_positions_bs[index], length=cache.length)
     # Filler rows duplicate a real row; they are marked done and never read.
     return Conversations(cache=self._place_cache(cache), num_rows=len(rows))

@@ -390,5 +390,16 @@ class Learner:
     with partitioning.mesh_context(self.mesh):
       return self._forward[key](self.params, self.shard_batch(batch))
 
+  def apply_in_micro_batches(self, fn, batch: dict, rows: int, **static) -> np.ndarray:
+    """`apply` over slices of `rows` rows (the update's micro-batch), concatenated on the host.
+
+    The value and reference passes then never hold more rows than an update does.
+    """
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
+    total = len(inputs["input_ids"])
+    return np.concatenate([
+        np.asarray(self.apply(fn, {k: v[i:i + rows] for k, v in inputs.items()}, **static))
+        for i in range(0, total, rows)])
+
   def model(self) -> nnx.Module:
     return nnx.merge(self.graphdef, self.params)

@@ -1,15 +1,20 @@
-"""Will it fit? Compile the PPO train steps for a model size and mesh, with no weights.
+"""Will it fit? Compile every program of a PPO step for a model size and mesh, with no weights.
 
   python -m rlver_jax.plan --model=qwen2.5-7b --mesh=data=1,fsdp=8,tensor=1 \
-      --batch=32 --seq_len=8192 --device_memory_gib=95 [--fake_devices=8]
+      --batch=8 --seq_len=16384 --device_memory_gib=80 [--fake_devices=8]
 
-The policy and critic updates are lowered with abstract arrays
-(`jax.ShapeDtypeStruct` carrying their shardings), compiled by XLA for the
-devices at hand, and the compiled executables' memory analysis gives bytes
-per device: arguments (weights, optimizer state, batch), outputs, temporaries
-(activations, gradients). Add the sampler's KV cache, computed from shapes.
-`--fake_devices=N` plans for N devices on the host CPU (it must come before
-JAX starts, so this module reads it first).
+Each program is lowered with abstract arrays (`jax.ShapeDtypeStruct` carrying
+their shardings), compiled by XLA for the devices at hand, and its memory
+analysis gives bytes per device. The programs: the policy and critic
+updates, the critic's value pass and the reference log-prob pass (run before
+the updates in micro-batches of the update's size), and the sampler's prefill
+and decode steps over a KV cache of `cache_len` slots. What stays resident
+(policy and critic weights and optimizer states) is counted once; the peak is
+resident plus the largest of what any one program adds on top (its other
+arguments such as the batch or the KV cache, temporaries and new outputs).
+Compile seconds are reported per program. `--fake_devices=N` plans for N
+devices on the host CPU (it must come before JAX starts, so this module
+reads it first).
 """
 
 from __future__ import annotations
@@ -35,6 +40,8 @@ if __name__ == "__main__" and _fake_devices_from_argv(sys.argv):
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
+import math  # noqa: E402
+import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -44,6 +51,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
 from models import partitioning, qwen2  # noqa: E402
+from models import sampler as sampler_lib  # noqa: E402
 from models.errors import UserInputError  # noqa: E402
 from rl import train_step  # noqa: E402
 from rlver_jax import sharding  # noqa: E402
@@ -64,84 +72,163 @@ def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
                                is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
-def _batch(mesh, batch: int, seq_len: int, with_values: bool):
-  def spec(shape, dtype):
-    return jax.ShapeDtypeStruct(shape, dtype, sharding=partitioning.batch_sharding(shape, mesh))
+def _rows(mesh, shape, dtype):
+  """An abstract array sharded over its leading (batch) axis."""
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=partitioning.batch_sharding(shape, mesh))
 
-  targets = (batch, seq_len - 1)
+
+def _batch(mesh, batch: int, seq_len: int, *, targets: bool, with_values: bool):
+  spec = functools.partial(_rows, mesh)
   out = {"input_ids": spec((batch, seq_len), jnp.int32),
-         "attention_mask": spec((batch, seq_len), jnp.bool_),
-         "loss_mask": spec(targets, jnp.float32), "old_logprobs": spec(targets, jnp.float32),
-         "advantages": spec(targets, jnp.float32)}
-  if with_values:
-    out.update(returns=spec(targets, jnp.float32), old_values=spec(targets, jnp.float32))
+         "attention_mask": spec((batch, seq_len), jnp.bool_)}
+  if targets:
+    shape = (batch, seq_len - 1)
+    out.update(loss_mask=spec(shape, jnp.float32), old_logprobs=spec(shape, jnp.float32),
+               advantages=spec(shape, jnp.float32))
+    if with_values:
+      out.update(returns=spec(shape, jnp.float32), old_values=spec(shape, jnp.float32))
   return out
 
 
-def _compile_update(model_cls, config, loss_fn, mesh, batch, seq_len, dtype, param_dtype,
-                    remat, loss_cfg):
-  abstract_model = nnx.eval_shape(lambda: model_cls(config, dtype=dtype, param_dtype=param_dtype,
-                                                    remat=remat, rngs=nnx.Rngs(0)))
-  graphdef, state = nnx.split(abstract_model)
-  param_shardings = partitioning.state_shardings(state, mesh)
-  params = _abstract(state, param_shardings)
-  tx = train_step.make_optimizer(train_step.OptimConfig())
-  abstract_opt = jax.eval_shape(tx.init, params)
-  opt = _abstract(abstract_opt, _opt_shardings(tx, abstract_opt, param_shardings, mesh))
-  step = jax.jit(functools.partial(train_step.update, loss_fn, graphdef, tx, loss_cfg),
-                 donate_argnums=(0, 1))
+def _device_gib(tree) -> float:
+  """Per-device GiB of a pytree of sharded abstract arrays."""
+  total = 0
+  for x in jax.tree.leaves(tree):
+    total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+  return total / GIB
+
+
+def _compile(fn, args, mesh, resident) -> dict:
+  """Compiles `fn(*args)`; `resident` are the arguments that stay in memory between steps."""
   with partitioning.mesh_context(mesh):
-    compiled = step.lower(params, opt, _batch(mesh, batch, seq_len,
-                                              model_cls is qwen2.Qwen2Value)).compile()
+    lowered = fn.lower(*args)
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    seconds = time.perf_counter() - start
   stats = compiled.memory_analysis()
-  n_params = sum(x.size for x in jax.tree.leaves(state))
-  devices = mesh.devices.size
-  return {
-      "parameters": n_params,
-      "argument_gib": stats.argument_size_in_bytes / GIB,
-      "output_gib": stats.output_size_in_bytes / GIB,
-      "temp_gib": stats.temp_size_in_bytes / GIB,
-      "alias_gib": stats.alias_size_in_bytes / GIB,
-      # Donated inputs alias outputs: peak = arguments + temporaries + non-aliased outputs.
-      "peak_gib": (stats.argument_size_in_bytes + stats.temp_size_in_bytes
-                   + stats.output_size_in_bytes - stats.alias_size_in_bytes) / GIB,
-      "unsharded_weights_gib": n_params * jnp.dtype(param_dtype).itemsize / GIB,
-      "devices": devices,
-  }
+  argument_gib = stats.argument_size_in_bytes / GIB
+  temp_gib = stats.temp_size_in_bytes / GIB
+  # Donated inputs alias outputs: new memory = temporaries + outputs not aliased to inputs.
+  new_outputs_gib = (stats.output_size_in_bytes - stats.alias_size_in_bytes) / GIB
+  resident_gib = _device_gib(resident)
+  return {"compile_s": seconds, "argument_gib": argument_gib, "temp_gib": temp_gib,
+          "output_gib": stats.output_size_in_bytes / GIB,
+          "peak_gib": argument_gib + temp_gib + new_outputs_gib,
+          # What this program needs beyond the resident weights and optimizer states.
+          "extra_gib": argument_gib - resident_gib + temp_gib + new_outputs_gib}
+
+
+class _Model:
+  """One abstract model on the mesh: graphdef, sharded abstract params (and optimizer)."""
+
+  def __init__(self, model_cls, config, mesh, dtype, param_dtype, remat, attention):
+    abstract = nnx.eval_shape(lambda: model_cls(config, dtype=dtype, param_dtype=param_dtype,
+                                                remat=remat, attention=attention,
+                                                rngs=nnx.Rngs(0)))
+    self.graphdef, state = nnx.split(abstract)
+    self.param_shardings = partitioning.state_shardings(state, mesh)
+    self.params = _abstract(state, self.param_shardings)
+    self.num_params = sum(x.size for x in jax.tree.leaves(state))
+    self.tx = train_step.make_optimizer(train_step.OptimConfig())
+    abstract_opt = jax.eval_shape(self.tx.init, self.params)
+    self.opt = _abstract(abstract_opt, _opt_shardings(self.tx, abstract_opt,
+                                                      self.param_shardings, mesh))
+
+
+def _sampler_programs(model: _Model, config, mesh, batch, cache_len, prefill_len, dtype):
+  """Compiles the sampler's prefill (a chunk of `prefill_len` tokens) and a decode loop."""
+  cache = jax.eval_shape(lambda: qwen2.KVCache.init(config, batch, cache_len, dtype))
+  kv = partitioning.named_sharding(qwen2.KV_CACHE_AXES, cache.k.shape, mesh)
+  cache = qwen2.KVCache(
+      k=jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=kv),
+      v=jax.ShapeDtypeStruct(cache.v.shape, cache.v.dtype, sharding=kv),
+      kv_positions_bs=_rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
+      length=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec())))
+  rows = functools.partial(_rows, mesh)
+  prefill = jax.jit(functools.partial(sampler_lib._prefill, model.graphdef), donate_argnums=(1,))
+  out = {"sampler_prefill": _compile(
+      prefill, (model.params, cache, rows((batch, prefill_len), jnp.int32),
+                rows((batch, prefill_len), jnp.bool_)), mesh, model.params)}
+  decode = jax.jit(functools.partial(sampler_lib._decode, model.graphdef, (0,), 0,
+                                     max_new_tokens=DECODE_STEPS, greedy=False, top_k=0,
+                                     use_top_p=False), donate_argnums=(1,))
+  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
+  key = jax.eval_shape(lambda: jax.random.key(0))
+  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+  out["sampler_decode"] = _compile(
+      decode, (model.params, cache, rows((batch, config.vocab_size), jnp.float32),
+               rows((batch,), jnp.bool_), key, scalar, scalar), mesh, model.params)
+  return out
+
+
+DECODE_STEPS = 256  # the decode program's token buffers; its memory barely depends on it
 
 
 def kv_cache_gib(config: qwen2.Qwen2Config, mesh, batch: int, cache_len: int, dtype) -> float:
   """Per-device bytes of the sampler's k and v caches, all layers, in GiB."""
-  shape = (batch, cache_len, config.num_kv_heads, config.head_size)
+  shape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_size)
   shard = partitioning.named_sharding(qwen2.KV_CACHE_AXES, shape, mesh).shard_shape(shape)
-  elements = 1
-  for size in shard:
-    elements *= size
-  return 2 * config.num_layers * elements * jnp.dtype(dtype).itemsize / GIB
+  return 2 * math.prod(shard) * jnp.dtype(dtype).itemsize / GIB
 
 
 def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *,
-         dtype="bfloat16", param_dtype="float32", remat=True, critic=True,
-         cache_len: int | None = None) -> dict:
+         dtype="bfloat16", param_dtype="float32", remat="full", attention="auto", critic=True,
+         reference=False, sampler=True, cache_len: int | None = None,
+         prefill_len: int | None = None) -> dict:
+  """Per-device memory and compile seconds of every program of one training step.
+
+  `batch` is the update's micro-batch (the value and reference passes run in
+  micro-batches of the same size); `cache_len` the sampler's KV slots
+  (default `seq_len`) and `prefill_len` its longest prefill chunk (default
+  `cache_len // 2`).
+  """
   mesh = sharding.make_mesh(mesh_axes)
   dtype, param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
+  remat = qwen2.remat_policy_name(remat)
+  cache_len = cache_len or seq_len
+  prefill_len = prefill_len or cache_len // 2
   loss_cfg = train_step.LossConfig()
   result = {"model": dataclasses.asdict(config), "mesh": dict(mesh.shape), "batch": batch,
-            "seq_len": seq_len, "dtype": dtype.name, "param_dtype": param_dtype.name,
-            "remat": remat}
-  result["policy_update"] = _compile_update(qwen2.Qwen2, config, train_step.policy_loss, mesh,
-                                            batch, seq_len, dtype, param_dtype, remat, loss_cfg)
+            "seq_len": seq_len, "cache_len": cache_len, "prefill_len": prefill_len,
+            "dtype": dtype.name, "param_dtype": param_dtype.name, "remat": remat,
+            "attention": attention, "devices": mesh.devices.size}
+  build = lambda cls: _Model(cls, config, mesh, dtype, param_dtype, remat, attention)
+  programs = {}
+
+  def update(model, loss_fn, with_values):
+    step = jax.jit(functools.partial(train_step.update, loss_fn, model.graphdef, model.tx,
+                                     loss_cfg), donate_argnums=(0, 1))
+    args = (model.params, model.opt,
+            _batch(mesh, batch, seq_len, targets=True, with_values=with_values))
+    return _compile(step, args, mesh, (model.params, model.opt))
+
+  def forward(model, fn):
+    step = jax.jit(functools.partial(fn, model.graphdef))
+    args = (model.params, _batch(mesh, batch, seq_len, targets=False, with_values=False))
+    return _compile(step, args, mesh, model.params)
+
+  policy = build(qwen2.Qwen2)
+  result["parameters"] = policy.num_params
+  result["unsharded_weights_gib"] = policy.num_params * param_dtype.itemsize / GIB
+  resident = [(policy.params, policy.opt)]
+  programs["policy_update"] = update(policy, train_step.policy_loss, False)
   if critic:
-    result["critic_update"] = _compile_update(qwen2.Qwen2Value, config, train_step.critic_loss,
-                                              mesh, batch, seq_len, dtype, param_dtype, remat,
-                                              loss_cfg)
-  result["kv_cache_gib"] = kv_cache_gib(config, mesh, batch, cache_len or seq_len, dtype)
-  # Policy and critic live side by side; the sampler's cache exists during rollouts.
-  result["resident_gib"] = (result["policy_update"]["argument_gib"]
-                            + result.get("critic_update", {}).get("argument_gib", 0.0))
-  result["peak_gib"] = result["resident_gib"] + max(
-      result["policy_update"]["temp_gib"],
-      result.get("critic_update", {}).get("temp_gib", 0.0), result["kv_cache_gib"])
+    value_model = build(qwen2.Qwen2Value)
+    resident.append((value_model.params, value_model.opt))
+    programs["critic_values"] = forward(value_model, train_step.critic_values)
+    programs["critic_update"] = update(value_model, train_step.critic_loss, True)
+  if reference:
+    resident.append(policy.params)  # a frozen copy of the initial policy
+    programs["reference_logprobs"] = forward(policy, functools.partial(
+        train_step.sequence_logprobs, temperature=1.0))
+  if sampler:
+    programs.update(_sampler_programs(policy, config, mesh, batch, cache_len, prefill_len,
+                                      dtype))
+  result["programs"] = programs
+  result["kv_cache_gib"] = kv_cache_gib(config, mesh, batch, cache_len, dtype)
+  result["resident_gib"] = _device_gib(resident)
+  result["compile_s"] = sum(p["compile_s"] for p in programs.values())
+  result["peak_gib"] = result["resident_gib"] + max(p["extra_gib"] for p in programs.values())
   return result
 
 
@@ -153,10 +240,14 @@ def _define_flags() -> None:
   flags.DEFINE_integer("batch", 32, "sequences per update (one micro-batch)")
   flags.DEFINE_integer("seq_len", 8192, "tokens per sequence")
   flags.DEFINE_integer("cache_len", None, "sampler cache slots (default seq_len)")
+  flags.DEFINE_integer("prefill_len", None, "longest sampler prefill chunk (default cache/2)")
   flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
   flags.DEFINE_string("param_dtype", "float32", "parameter dtype")
-  flags.DEFINE_bool("remat", True, "rematerialise decoder layers")
+  flags.DEFINE_string("remat", "full", f"remat policy, one of {qwen2.REMAT_POLICIES}")
+  flags.DEFINE_string("attention", "auto", "attention implementation (models/attention.py)")
   flags.DEFINE_bool("critic", True, "also plan the critic (PPO)")
+  flags.DEFINE_bool("reference", False, "also plan a reference policy (KL penalty)")
+  flags.DEFINE_bool("sampler", True, "also plan the sampler's prefill and decode")
   flags.DEFINE_float("device_memory_gib", None, "memory per device, for a verdict")
   flags.DEFINE_integer("fake_devices", 0, "plan for N fake CPU devices (read before JAX starts)")
   flags.DEFINE_string("out", None, "also write the plan as JSON here")
@@ -190,20 +281,21 @@ def _plan_from_flags(argv):
     config = dataclasses.replace(config, num_layers=FLAGS.layers)
   result = plan(config, parse_mesh(FLAGS.mesh), FLAGS.batch, FLAGS.seq_len,
                 dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype, remat=FLAGS.remat,
-                critic=FLAGS.critic, cache_len=FLAGS.cache_len)
-  print(f"{FLAGS.hf_config or FLAGS.model}: {result['policy_update']['parameters'] / 1e9:.2f}B "
-        f"parameters, mesh {result['mesh']} on {jax.devices()[0].platform}, batch {FLAGS.batch} "
-        f"x {FLAGS.seq_len} tokens, {FLAGS.dtype} compute / {FLAGS.param_dtype} weights, "
-        f"remat {FLAGS.remat}")
-  print(f"{'per device, GiB':<18}{'arguments':>11}{'outputs':>10}{'temporaries':>13}{'peak':>8}")
-  for name in ("policy_update", "critic_update"):
-    if name in result:
-      r = result[name]
-      print(f"{name:<18}{r['argument_gib']:>11.2f}{r['output_gib']:>10.2f}{r['temp_gib']:>13.2f}"
-            f"{r['peak_gib']:>8.2f}")
-  print(f"sampler KV cache  {result['kv_cache_gib']:.2f} GiB per device")
-  print(f"estimated peak    {result['peak_gib']:.2f} GiB per device (policy + critic resident, "
-        "plus the largest of update temporaries and KV cache)")
+                attention=FLAGS.attention, critic=FLAGS.critic, reference=FLAGS.reference,
+                sampler=FLAGS.sampler, cache_len=FLAGS.cache_len, prefill_len=FLAGS.prefill_len)
+  print(f"{FLAGS.hf_config or FLAGS.model}: {result['parameters'] / 1e9:.2f}B parameters, "
+        f"mesh {result['mesh']} on {jax.devices()[0].platform}, batch {FLAGS.batch} x "
+        f"{FLAGS.seq_len} tokens, {FLAGS.dtype} compute / {FLAGS.param_dtype} weights, "
+        f"remat {result['remat']}, attention {result['attention']}")
+  print(f"{'per device, GiB':<20}{'arguments':>11}{'temporaries':>13}{'outputs':>10}"
+        f"{'+resident':>11}{'compile s':>11}")
+  for name, r in result["programs"].items():
+    print(f"{name:<20}{r['argument_gib']:>11.2f}{r['temp_gib']:>13.2f}{r['output_gib']:>10.2f}"
+          f"{r['extra_gib']:>11.2f}{r['compile_s']:>11.1f}")
+  print(f"resident          {result['resident_gib']:.2f} GiB per device (policy and critic "
+        f"weights and optimizer states); sampler KV cache {result['kv_cache_gib']:.2f} GiB")
+  print(f"estimated peak    {result['peak_gib']:.2f} GiB per device (resident plus the largest "
+        f"'+resident' column); compile {result['compile_s']:.1f} s in all")
   if FLAGS.device_memory_gib:
     verdict = "fits" if result["peak_gib"] <= FLAGS.device_memory_gib else "does NOT fit"
     print(f"verdict: {verdict} in {FLAGS.device_memory_gib:g} GiB per device")

@@ -189,7 +189,8 @@ class Trainer:
     self.tokenizer = policy_lib.load_tokenizer(policy_path)
     self.formatter = ChatFormatter(self.tokenizer)
     load = dict(dtype=config.policy.dtype, param_dtype=config.policy.param_dtype, mesh=self.mesh,
-                remat=config.policy.remat)
+                remat=config.policy.remat_policy if config.policy.remat else "none",
+                attention=config.policy.attention)
     policy = qwen2.from_pretrained(policy_path, **load)
     self.policy_optim = optim_config(config, config.optim.actor_lr)
     self.policy = train_step.Learner(policy, train_step.make_optimizer(self.policy_optim),
@@ -286,11 +287,14 @@ class Trainer:
     start = time.perf_counter()
     batch = train_step.collate(rollout.samples, self.batch_multiple,
                                pad_id=self.tokenizer.pad_token_id or 0)
+    micro_rows = len(batch["input_ids"]) // (config.optim.num_minibatches
+                                             * config.optim.grad_accum)
     if self.critic is not None:
-      batch["old_values"] = np.asarray(self.critic.apply(train_step.critic_values, batch))
+      batch["old_values"] = self.critic.apply_in_micro_batches(train_step.critic_values, batch,
+                                                               micro_rows)
     if self.reference is not None:
-      batch["ref_logprobs"] = np.asarray(self.reference.apply(
-          train_step.sequence_logprobs, batch, temperature=self.loss_cfg.temperature))
+      batch["ref_logprobs"] = self.reference.apply_in_micro_batches(
+          train_step.sequence_logprobs, batch, micro_rows, temperature=self.loss_cfg.temperature)
     batch = train_step.compute_advantages(batch, self.loss_cfg)
     update_metrics = []
     arrays = {k: v for k, v in batch.items() if k not in ("scores", "groups", "token_rewards")}

@@ -227,7 +227,7 @@ def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(checkpoi
   model = qwen2.from_pretrained(checkpoint, dtype="bfloat16", param_dtype="float32", mesh=mesh,
                                 remat=True)
   learner = train_step.Learner(model, train_step.make_optimizer(train_step.OptimConfig()),
-                               train_step.policy_update, train_step.LossConfig(), mesh)
+                               train_step.policy_loss, train_step.LossConfig(), mesh)
   embed = learner.params["backbone"]["embed"].value
   assert not embed.sharding.is_fully_replicated
   moments = [x for x in jax.tree.leaves(learner.opt_state) if x.shape == embed.shape]
@@ -240,7 +240,7 @@ def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(checkpoi
            "old_logprobs": np.zeros((rows, width - 1), np.float32),
            "advantages": np.ones((rows, width - 1), np.float32)}
   for _ in range(2):
-    learner.update(batch)
+    learner.update([batch], learning_rate=1e-3)
   assert learner._update._cache_size() == 1  # the second update reuses the first's compile
 
 

@@ -79,20 +79,33 @@ def test_retention_cli_end_to_end(tmp_path, task, lines):
       row["correct"] for row in rows)
 
 
-def test_plan_compiles_ppo_steps_on_eight_fake_devices():
+def test_plan_compiles_every_program_on_eight_fake_devices():
   config = qwen2.PRESETS["qwen2.5-0.5b"]
   import dataclasses
   small = dataclasses.replace(config, num_layers=2)
-  sharded = plan.plan(small, {"data": 1, "fsdp": 4, "tensor": 2}, batch=8, seq_len=128)
+  sharded = plan.plan(small, {"data": 1, "fsdp": 4, "tensor": 2}, batch=8, seq_len=128,
+                      reference=True)
   single = plan.plan(small, {"data": 1, "fsdp": 1, "tensor": 1}, batch=8, seq_len=128,
-                     critic=False)
-  policy = sharded["policy_update"]
-  assert policy["devices"] == 8 and sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
-  assert policy["peak_gib"] > 0 and policy["temp_gib"] > 0 and "critic_update" in sharded
+                     critic=False, sampler=False)
+  programs = sharded["programs"]
+  assert set(programs) == {"policy_update", "critic_values", "critic_update",
+                           "reference_logprobs", "sampler_prefill", "sampler_decode"}
+  assert sharded["devices"] == 8 and sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
+  for name, program in programs.items():
+    assert program["compile_s"] > 0 and program["temp_gib"] > 0, name
+    assert program["extra_gib"] <= program["peak_gib"], name
+  # Peak: what stays resident plus the most any one program adds.
+  assert sharded["peak_gib"] == pytest.approx(
+      sharded["resident_gib"] + max(p["extra_gib"] for p in programs.values()))
+  # The sampler's programs carry the KV cache as an argument on top of the weights.
+  assert programs["sampler_decode"]["extra_gib"] >= sharded["kv_cache_gib"]
   # Weights and Adam moments (fp32: 3 copies) dominate the arguments; sharding divides them.
-  weights = policy["unsharded_weights_gib"]
-  assert single["policy_update"]["argument_gib"] >= 3 * weights
-  assert policy["argument_gib"] < single["policy_update"]["argument_gib"] / 4
+  weights = sharded["unsharded_weights_gib"]
+  policy = single["programs"]["policy_update"]
+  assert policy["argument_gib"] >= 3 * weights
+  assert programs["policy_update"]["argument_gib"] < policy["argument_gib"] / 4
+  # Policy (+ Adam), critic (+ Adam) and the reference copy stay resident.
+  assert sharded["resident_gib"] == pytest.approx(7 * weights / 8, rel=0.05)
   assert sharded["kv_cache_gib"] == pytest.approx(
       2 * 2 * 8 * 128 * 2 * 64 * 2 / 2 ** 30 / 8)  # batch over fsdp=4, 2 kv heads over tensor=2
 
@@ -131,3 +144,37 @@ def test_run_tpu_sh_drives_gcloud_on_all_workers(tmp_path):
   bad = subprocess.run(["bash", os.path.join(ROOT, "run_tpu.sh"), "launch"], env=env,
                        capture_output=True, text=True)
   assert bad.returncode == 2 and "usage" in bad.stderr
+
+
+def test_value_pass_runs_in_micro_batches_of_the_update_size():
+  import jax.numpy as jnp
+  import numpy as np
+  from flax import nnx
+  from rl import train_step
+  config = qwen2.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
+                             num_heads=2, num_kv_heads=1)
+  critic = qwen2.Qwen2Value(config, rngs=nnx.Rngs(0))
+  critic.value_head.set_value(jnp.ones((32,), jnp.float32))
+  learner = train_step.Learner(critic)
+  rng = np.random.RandomState(0)
+  batch = {"input_ids": rng.randint(0, 64, (8, 12)).astype(np.int32),
+           "attention_mask": np.arange(12)[None] < rng.randint(3, 13, (8, 1)),
+           "scores": np.zeros(8, np.float32)}
+  seen_rows = []
+
+  def values(graphdef, params, batch):
+    seen_rows.append(batch["input_ids"].shape[0])
+    return train_step.critic_values(graphdef, params, batch)
+
+  micro = learner.apply_in_micro_batches(values, batch, rows=2)
+  assert seen_rows == [2]  # one program, compiled for the micro-batch
+  whole = np.asarray(learner.apply(train_step.critic_values, batch))
+  assert micro.shape == (8, 11)
+  np.testing.assert_allclose(micro, whole, atol=1e-5)
+
+
+def test_recipes_state_the_planned_micro_batch_and_remat_policy():
+  from configs import grpo, ppo
+  for config in (ppo.get_config(), grpo.get_config()):
+    assert config.batch_size // config.optim.grad_accum == 8  # the plan's --batch=8
+    assert config.policy.remat and config.policy.remat_policy == "full"

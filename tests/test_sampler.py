@@ -170,7 +170,7 @@ def test_sharded_sampler_matches_unsharded(checkpoint):
   mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded = Sampler(qwen2.from_pretrained(path, mesh=mesh), stop_token_ids=[2], mesh=mesh)
   convs = sharded.start(len(PROMPTS))
-  assert convs.cache.k[0].sharding.spec[0] is not None  # rows sharded over data axes
+  assert convs.cache.k.sharding.spec[1] is not None  # rows sharded over data axes
   out = sharded.extend(convs, PROMPTS, GREEDY)
   assert out.tokens == Sampler(model, stop_token_ids=[2]).generate(PROMPTS, GREEDY).tokens
 

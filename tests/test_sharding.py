@@ -65,10 +65,10 @@ def test_sharded_forward_equals_unsharded(checkpoint, axes):
   sharded = qwen2.from_pretrained(checkpoint, mesh=mesh)
 
   # Each device holds only its shard of a weight loaded with a mesh.
-  q_proj = sharded.backbone.layers[0].attn.q_proj.get_value()  # [D=64, N=4, H=16]
-  assert q_proj.sharding.spec == P("fsdp", "tensor", None)
+  q_proj = sharded.backbone.layers.attn.q_proj.get_value()  # [L=2, D=64, N=4, H=16]
+  assert q_proj.sharding.spec == P(None, "fsdp", "tensor", None)
   shard_shape = q_proj.addressable_shards[0].data.shape
-  assert shard_shape == (64 // axes["fsdp"], 4 // axes["tensor"], 16)
+  assert shard_shape == (2, 64 // axes["fsdp"], 4 // axes["tensor"], 16)
 
   ids = np.random.RandomState(0).randint(0, 128, (8, 12)).astype(np.int32)
   apply, state = sharding.jit_batched_apply(sharded, mesh, [ids.shape])
