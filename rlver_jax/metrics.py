@@ -14,10 +14,11 @@ class MetricsWriter:
   def __init__(self, workdir: str, resume_step: int = 0, tensorboard: bool = True):
     self.path = os.path.join(workdir, "metrics.jsonl")
     self.workdir = workdir
-    kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
-    with open(self.path, "w") as f:
-      for record in kept:
-        f.write(json.dumps(record) + "\n")
+    if _is_primary():
+      kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+      with open(self.path, "w") as f:
+        for record in kept:
+          f.write(json.dumps(record) + "\n")
     self._tb = None
     if tensorboard and _is_primary():
       try:
@@ -64,9 +65,11 @@ def read_metrics(path: str) -> list[dict]:
 
 def plot_curves(metrics_path: str, out_path: str,
                 keys=("reward/mean", "emotion/final_mean", "success_rate")) -> str | None:
-  """A PNG of the given metrics against step; returns its path (None without data)."""
+  """A PNG of the given metrics against step; returns its path (None without data).
+
+  With several hosts, process 0 draws it."""
   records = read_metrics(metrics_path)
-  if not records:
+  if not records or not _is_primary():
     return None
   import matplotlib
   matplotlib.use("Agg")

@@ -28,7 +28,7 @@ from rl import rollout as rollout_lib
 from rl import train_step
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
-from rlver_jax import sharding, simulator_factory, tiny
+from rlver_jax import multihost, sharding, simulator_factory, tiny
 from sim_user import profiles as profiles_lib
 
 
@@ -61,8 +61,9 @@ def _require(value, message):
 def resolve_policy_checkpoint(config) -> str:
   if config.policy.tiny_init:
     path = os.path.join(config.workdir, "init_policy")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if jax.process_index() == 0 and not os.path.exists(os.path.join(path, "config.json")):
       tiny.write_checkpoint(path, seed=config.seed)
+    multihost.barrier("tiny init policy written")  # the other hosts read process 0's files
     return path
   return _require(config.policy.checkpoint,
                   "no policy checkpoint: set --config.policy.checkpoint=/path/to/Qwen2.5-7B-Instruct "
@@ -109,6 +110,7 @@ class Trainer:
     os.makedirs(config.workdir, exist_ok=True)
     sharding.maybe_initialize_distributed()
     self.mesh = sharding.make_mesh(dict(config.mesh))
+    self.hosts = multihost.Hosts(self.mesh, dict(config.mesh))
     self.loss_cfg = loss_config(config)
     self.rollout_cfg = rollout_lib.RolloutConfig(
         samples_per_profile=config.rollout.samples_per_profile,
@@ -148,11 +150,11 @@ class Trainer:
     if config.rl.kl_coef:
       reference = qwen2.from_pretrained(policy_path, **{**load, "remat": False})
       self.reference = train_step.Learner(reference, mesh=self.mesh)
-    self.sampler = Sampler(policy, stop_token_ids=policy_lib.stop_token_ids(
+    self.sampler = Sampler(self.hosts.local_model(policy), stop_token_ids=policy_lib.stop_token_ids(
                                self.tokenizer, eos_token_id=policy.config.eos_token_id),
-                           pad_id=self.tokenizer.pad_token_id or 0, mesh=self.mesh)
-    self.user = simulator_factory.make_simulated_user(config.sim_user, self.mesh)
-    self.batch_multiple = self.sampler.data_parallel_size() * (
+                           pad_id=self.tokenizer.pad_token_id or 0, mesh=self.hosts.local_mesh)
+    self.user = simulator_factory.make_simulated_user(config.sim_user, self.hosts.local_mesh)
+    self.batch_multiple = self.hosts.train_data_parallel_size * (
         config.optim.num_minibatches * config.optim.grad_accum)
 
     self.checkpoints = ocp.CheckpointManager(
@@ -201,10 +203,12 @@ class Trainer:
     step = self.step + 1
     num_profiles = config.batch_size // config.rollout.samples_per_profile
     chosen = [self.profiles[i] for i in self.order.take(num_profiles)]
+    share = self.hosts.share(len(chosen))  # this host's dialogues
     sim_counts_before = dict(self.user.metrics)
-    self.sampler.update_weights(self.policy.params)
-    rollout = rollout_lib.collect(self.sampler, self.formatter, self.user, chosen,
-                                  self.rollout_cfg, seed=config.seed * 100_003 + step)
+    self.sampler.update_weights(self.hosts.local_params(self.policy.params))
+    rollout = rollout_lib.collect(self.sampler, self.formatter, self.user,
+                                  chosen[share.start:share.stop], self.rollout_cfg,
+                                  seed=config.seed * 100_003 + step, first_profile=share.start)
     if step == config.crash_at_step:
       logging.warning("crash_at_step=%d: killing the process mid-step", step)
       os.kill(os.getpid(), 9)
@@ -212,12 +216,12 @@ class Trainer:
       raise TrainingError(f"step {step}: every dialogue was dropped by the simulator")
 
     start = time.perf_counter()
-    batch = train_step.collate(rollout.samples, self.batch_multiple,
+    batch = self.hosts.collate(rollout.samples, self.batch_multiple,
                                pad_id=self.tokenizer.pad_token_id or 0)
     if self.critic is not None:
-      batch["old_values"] = np.asarray(self.critic.apply(train_step.critic_values, batch))
+      batch["old_values"] = multihost.to_host(self.critic.apply(train_step.critic_values, batch))
     if self.reference is not None:
-      batch["ref_logprobs"] = np.asarray(self.reference.apply(
+      batch["ref_logprobs"] = multihost.to_host(self.reference.apply(
           train_step.sequence_logprobs, batch, temperature=self.loss_cfg.temperature))
     batch = train_step.compute_advantages(batch, self.loss_cfg)
     update_metrics = []
@@ -255,11 +259,12 @@ class Trainer:
     for key, count in self.user.metrics.items():  # this step's simulator events
       out[key] = count - sim_counts_before.get(key, 0)
     self.step = step
-    return out
+    return self.hosts.reduce_step_metrics(out, rollout)
 
   def run(self) -> None:
     config = self.config
-    bar = tqdm(total=config.steps, initial=self.step, unit="step", desc="train")
+    bar = tqdm(total=config.steps, initial=self.step, unit="step", desc="train",
+               disable=not self.hosts.primary)
     while self.step < config.steps:
       step_start = time.perf_counter()
       step_metrics = self.train_step()
