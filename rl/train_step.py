@@ -247,7 +247,8 @@ class Learner:
     if mesh is not None:
       params = jax.device_put(params, partitioning.state_shardings(params, mesh, rules))
     self.params = params
-    self.opt_state = None if tx is None else jax.jit(tx.init)(params)
+    self.opt_state = None if tx is None else jax.jit(
+        tx.init, out_shardings=partitioning.optimizer_state_shardings(tx, params, mesh))(params)
     self._update = None if tx is None else jax.jit(
         functools.partial(update_fn, self.graphdef, tx, cfg), donate_argnums=(0, 1))
     self._forward = {}
@@ -255,7 +256,8 @@ class Learner:
   def shard_batch(self, batch: dict) -> dict:
     if self.mesh is None:
       return {k: jnp.asarray(v) for k, v in batch.items()}
-    return {k: jax.device_put(v, partitioning.batch_sharding(np.shape(v), self.mesh, self.rules))
+    return {k: partitioning.put_host_value(
+                v, partitioning.batch_sharding(np.shape(v), self.mesh, self.rules))
             for k, v in batch.items()}
 
   def update(self, batch: dict) -> dict:

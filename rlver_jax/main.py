@@ -5,11 +5,12 @@
       --config.policy.checkpoint=DIR --config.rl.kl_coef=0.01   # any field can be overridden
 """
 
-from rlver_jax import cli, trainer
+from rlver_jax import cli, multihost, trainer
 
 
 def train(config) -> None:
-  trainer.Trainer(config).run()
+  with multihost.stop_when_a_host_is_lost():
+    trainer.Trainer(config).run()
 
 
 if __name__ == "__main__":

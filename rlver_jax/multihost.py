@@ -27,13 +27,18 @@ With one process every method is the identity of the single-host path.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import sys
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
+from absl import logging
+from jax._src import distributed
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 
@@ -69,6 +74,55 @@ def allgather_json(value: Any) -> list[Any]:
   padded[:len(data)] = data
   gathered = multihost_utils.process_allgather(padded).reshape(len(lengths), -1)
   return [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, lengths)]
+
+
+LOST_HOST_EXIT_CODE = 3
+
+
+class LostHostError(RuntimeError):
+  pass
+
+
+@contextlib.contextmanager
+def stop_when_a_host_is_lost(answer_within_s: float = 10.0):
+  """Turns a failed collective into an error naming the hosts that stopped answering.
+
+  When a host dies, the others' next collective fails (or the coordination
+  service's heartbeat check stops them). On any exception, every surviving
+  host checks in with the coordinator and waits `answer_within_s` for the
+  others; the ones that do not check in are named, and the process exits with
+  LOST_HOST_EXIT_CODE at once (JAX's shutdown barrier would wait for the lost
+  host). An error raised on every host alike is re-raised unchanged.
+  """
+  try:
+    yield
+  except Exception as e:
+    client = distributed.global_state.client
+    if client is None or jax.process_count() == 1:
+      raise
+    me, count = jax.process_index(), jax.process_count()
+    try:
+      client.key_value_set(f"rlver/alive_after_error/{me}", "1", allow_overwrite=True)
+    except Exception:  # the coordinator, in process 0, is gone
+      lost = [0]
+    else:
+      lost = []
+      for peer in range(count):
+        try:
+          client.blocking_key_value_get(f"rlver/alive_after_error/{peer}",
+                                        int(answer_within_s * 1000))
+        except Exception:  # the coordinator's timeout: the peer never checked in
+          lost.append(peer)
+    if not lost:
+      raise
+    error = LostHostError(
+        f"process {me} of {count}: lost contact with process(es) {lost} ({type(e).__name__}: "
+        f"{str(e)[:300]}); relaunch every process with the same command to resume from the "
+        "last checkpoint")
+    logging.error("%s", error)
+    print(f"error: {error}", file=sys.stderr, flush=True)
+    logging.flush()
+    os._exit(LOST_HOST_EXIT_CODE)
 
 
 def barrier(name: str) -> None:
