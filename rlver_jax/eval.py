@@ -17,11 +17,12 @@ import collections
 import json
 import os
 
+import jax
 from absl import logging
 from tqdm import tqdm
 
 from rl import rollout as rollout_lib
-from rlver_jax import cli, sharding, simulator_factory
+from rlver_jax import cli, multihost, sharding, simulator_factory
 from rlver_jax import policy as policy_lib
 from sim_user import dynamics, profiles as profiles_lib
 from sim_user.simulator import Dialogue
@@ -95,7 +96,7 @@ def evaluate(config) -> dict:
                      "test_profile.jsonl for the Sentient Benchmark)")
   os.makedirs(config.workdir, exist_ok=True)
   sharding.maybe_initialize_distributed()
-  mesh = sharding.make_mesh(dict(config.mesh))
+  mesh = multihost.local_mesh(dict(config.mesh))  # each host runs its own dialogues
   profiles = profiles_lib.load_profiles(config.eval.profiles)
   policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
                                  param_dtype=config.policy.param_dtype, mesh=mesh)
@@ -107,16 +108,23 @@ def evaluate(config) -> dict:
       top_p=e.top_p, top_k=e.top_k)
 
   dialogues: list[Dialogue] = []
-  with tqdm(total=len(profiles), unit="dialogue", desc="eval") as bar:
+  with tqdm(total=len(profiles), unit="dialogue", desc="eval",
+            disable=jax.process_index() != 0) as bar:
     for start in range(0, len(profiles), e.batch_size):
       batch = profiles[start:start + e.batch_size]
-      result = rollout_lib.collect(policy.sampler, policy.formatter, user, batch, rollout_cfg,
-                                   seed=config.seed + start)
-      dialogues += result.dialogues
+      share = multihost.share_of(len(batch))  # this host's block of the batch
+      mine = rollout_lib.collect(policy.sampler, policy.formatter, user,
+                                 batch[share.start:share.stop], rollout_cfg,
+                                 seed=config.seed + start, first_profile=share.start
+                                 ).dialogues if share else []
+      dialogues += multihost.gather_dialogues(mine)
       bar.update(len(batch))
       scored = [d.emotion for d in dialogues if not d.failure]
       bar.set_postfix(score=f"{dynamics.summarize(scored)['score']:.1f}")
 
+  simulator_events = multihost.sum_counts(user.metrics)
+  if jax.process_index() != 0:  # process 0 writes every host's results
+    return {}
   with open(os.path.join(config.workdir, "results.jsonl"), "w") as f:
     for d in dialogues:
       f.write(json.dumps(sage_record(d), ensure_ascii=False) + "\n")
@@ -126,7 +134,7 @@ def evaluate(config) -> dict:
               "thinking": e.thinking, "system_prompt": e.system_prompt,
               "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k,
               "max_new_tokens": e.max_new_tokens, "dtype": config.policy.dtype,
-              "seed": config.seed, "simulator_events": dict(user.metrics)}
+              "seed": config.seed, "simulator_events": simulator_events}
   summary = summarize(dialogues, settings)
   with open(os.path.join(config.workdir, "summary.json"), "w") as f:
     json.dump(summary, f, indent=2, ensure_ascii=False)

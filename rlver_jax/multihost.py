@@ -28,6 +28,7 @@ With one process every method is the identity of the single-host path.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -47,6 +48,8 @@ from models.sampler import bucket_size
 from rl import train_step
 from rl.rollout import Rollout, Sample
 from rlver_jax import sharding
+from sim_user.profiles import Profile
+from sim_user.simulator import Dialogue
 
 # Collated batch keys and the value their padding holds (anything else pads with 0).
 _PAD_VALUES = {"attention_mask": False}
@@ -144,6 +147,44 @@ def block(num_items: int, index: int, count: int) -> range:
   per_host, extra = divmod(num_items, count)
   start = index * per_host + min(index, extra)
   return range(start, start + per_host + (index < extra))
+
+
+def local_mesh(mesh_axes) -> Mesh:
+  """`mesh_axes` resolved over this host's devices (all devices with one process)."""
+  return sharding.make_mesh(mesh_axes, jax.local_devices())
+
+
+def share_of(num_items: int) -> range:
+  """This host's contiguous block of `num_items` (e.g. one batch of evaluation profiles)."""
+  return block(num_items, jax.process_index(), jax.process_count())
+
+
+def gather(records: Sequence[Any]) -> list[Any]:
+  """Every host's JSON-serialisable records, host after host (a collective)."""
+  return [record for host in allgather_json(list(records)) for record in host]
+
+
+def sum_counts(counts: dict) -> dict:
+  """Event counters summed over hosts (a collective)."""
+  total = {}
+  for host in allgather_json(dict(counts)):
+    for key, count in host.items():
+      total[key] = total.get(key, 0) + count
+  return total
+
+
+def gather_dialogues(dialogues: Sequence[Dialogue]) -> list[Dialogue]:
+  """Every host's dialogues, host after host (a collective)."""
+  if jax.process_count() == 1:
+    return list(dialogues)
+  records = [{**{f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "profile"},
+              "profile": dataclasses.asdict(d.profile)} for d in dialogues]
+  out = []
+  for record in gather(records):
+    profile = record.pop("profile")
+    profile["cha_group"] = tuple(profile["cha_group"])
+    out.append(Dialogue(profile=Profile(**profile), **record))
+  return out
 
 
 class Hosts:

@@ -6,15 +6,13 @@ import subprocess
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from models import qwen2
 from models.sampler import Sampler, SamplingParams
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import multihost
+from rlver_jax import multihost, tiny
+from sim_user import profiles
 from tests.test_multiprocess import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -22,8 +20,9 @@ DEMO = [f"--config={ROOT}/configs/demo.py", "--config.batch_size=4",
         "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1"]
 
 
-def launch(workdir, processes: int, devices: int, *flags, heartbeat_s: int = 60):
-  """Starts the trainer as `processes` processes of `devices` CPU devices each."""
+def launch(workdir, processes: int, devices: int, *flags, heartbeat_s: int = 60,
+           program=("rlver_jax.main", *DEMO)):
+  """Starts `program` (the demo trainer) as `processes` processes of `devices` CPU devices."""
   coordinator = f"127.0.0.1:{_free_port()}"
   procs = []
   for pid in range(processes):
@@ -35,7 +34,7 @@ def launch(workdir, processes: int, devices: int, *flags, heartbeat_s: int = 60)
     log = open(os.path.join(os.path.dirname(workdir), f"{os.path.basename(workdir)}.{pid}.log"),
                "w")
     procs.append(subprocess.Popen(
-        [sys.executable, "-m", "rlver_jax.main", *DEMO, f"--config.workdir={workdir}", *flags],
+        [sys.executable, "-m", *program, f"--config.workdir={workdir}", *flags],
         cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
   return procs
 
@@ -122,3 +121,19 @@ def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path):
   assert codes == [0, 0], log_of(workdir, 0)[-3000:] + log_of(workdir, 1)[-3000:]
   assert f"at step {checkpointed}" in log_of(workdir, 0)
   assert [r["step"] for r in read_metrics(workdir)] == [1, 2, 3]
+
+
+def test_the_evaluator_on_two_processes_writes_the_results_of_one(tmp_path):
+  tiny.write_checkpoint(str(tmp_path / "policy"), seed=3)
+  program = ("rlver_jax.eval", f"--config={ROOT}/configs/eval.py",
+             f"--config.policy.checkpoint={tmp_path / 'policy'}", "--config.policy.dtype=float32",
+             f"--config.eval.profiles={profiles.DEMO_PROFILES}", "--config.eval.batch_size=5",
+             "--config.eval.max_new_tokens=6", "--config.eval.temperature=1.0",
+             "--config.sim_user.backend=scripted", "--config.sim_user.language=en")
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  assert wait(launch(one, 1, 2, program=program)) == [0], log_of(one, 0)[-3000:]
+  codes = wait(launch(two, 2, 1, program=program))
+  assert codes == [0, 0], log_of(two, 0)[-3000:] + log_of(two, 1)[-3000:]
+  for name in ("results.jsonl", "summary.json"):
+    with open(os.path.join(one, name)) as a, open(os.path.join(two, name)) as b:
+      assert a.read() == b.read(), name
