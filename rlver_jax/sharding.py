@@ -26,7 +26,8 @@ def maybe_initialize_distributed(force: bool = False) -> bool:
   """Calls `jax.distributed.initialize` on multi-host launches; returns whether it did.
 
   Multi-host is recognised from a multi-worker TPU VM or SLURM with several
-  tasks (JAX reads those environments itself), or from a launch by hand:
+  tasks (JAX reads those environments itself), `RLVER_MULTIHOST=1` (set by
+  run_tpu.sh on every worker), or from a launch by hand:
   `JAX_COORDINATOR_ADDRESS=host:port`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`
   in every process's environment (a GPU cluster without SLURM, or several
   processes on one machine in tests). On CPU the gloo collectives are selected,
@@ -37,7 +38,8 @@ def maybe_initialize_distributed(force: bool = False) -> bool:
   multi_worker_tpu = len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
   slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
   coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
-  if not (force or coordinator or multi_worker_tpu or slurm):
+  launcher = os.environ.get("RLVER_MULTIHOST") == "1"  # run_tpu.sh: JAX reads the TPU metadata
+  if not (force or coordinator or multi_worker_tpu or slurm or launcher):
     return False
   kwargs = {}
   if coordinator and "JAX_NUM_PROCESSES" in os.environ:

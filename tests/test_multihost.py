@@ -137,3 +137,16 @@ def test_the_evaluator_on_two_processes_writes_the_results_of_one(tmp_path):
   for name in ("results.jsonl", "summary.json"):
     with open(os.path.join(one, name)) as a, open(os.path.join(two, name)) as b:
       assert a.read() == b.read(), name
+
+
+def test_the_tpu_launcher_variable_starts_jax_distributed(monkeypatch):
+  from rlver_jax import sharding
+  calls = []
+  monkeypatch.setattr(sharding.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  for name in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("RLVER_HEARTBEAT_TIMEOUT_S", "15")
+  assert not sharding.maybe_initialize_distributed()
+  monkeypatch.setenv("RLVER_MULTIHOST", "1")
+  assert sharding.maybe_initialize_distributed()
+  assert calls == [{"heartbeat_timeout_seconds": 15, "shutdown_timeout_seconds": 15}]
