@@ -5,10 +5,11 @@
       --config.policy.checkpoint=DIR --config.rl.kl_coef=0.01   # any field can be overridden
 """
 
-from rlver_jax import cli, multihost, trainer
+from rlver_jax import cli, multihost, sharding, trainer
 
 
 def train(config) -> None:
+  sharding.maybe_initialize_distributed()
   with multihost.stop_when_a_host_is_lost():
     trainer.Trainer(config).run()
 

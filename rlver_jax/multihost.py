@@ -33,6 +33,7 @@ import json
 import math
 import os
 import sys
+import threading
 from typing import Any, Sequence
 
 import jax
@@ -86,24 +87,42 @@ class LostHostError(RuntimeError):
   pass
 
 
-@contextlib.contextmanager
-def stop_when_a_host_is_lost(answer_within_s: float = 10.0):
-  """Turns a failed collective into an error naming the hosts that stopped answering.
+_EXITED_KEY = "rlver/exited"  # "process N: why", set by a host that stops the run
 
-  When a host dies, the others' next collective fails (or the coordination
-  service's heartbeat check stops them). On any exception, every surviving
-  host checks in with the coordinator and waits `answer_within_s` for the
-  others; the ones that do not check in are named, and the process exits with
-  LOST_HOST_EXIT_CODE at once (JAX's shutdown barrier would wait for the lost
-  host). An error raised on every host alike is re-raised unchanged.
+
+@contextlib.contextmanager
+def stop_when_a_host_is_lost(answer_within_s: float = 10.0, poll_s: float = 0.5):
+  """Stops every host, with an error naming the lost one, when one host dies or fails alone.
+
+  A host killed outright makes the others' next collective fail (or the
+  coordination service's heartbeat check, RLVER_HEARTBEAT_TIMEOUT_S, stops
+  them). On an exception, a host checks in with the coordinator and waits
+  `answer_within_s` for the others: if all check in (an error raised on every
+  host alike), the error is re-raised unchanged. Otherwise it names the hosts
+  that did not answer, posts why it stops, and exits with LOST_HOST_EXIT_CODE
+  at once (JAX's shutdown barrier would wait for the lost host); a watcher on
+  every other host reads that post within `poll_s` and exits the same way,
+  even from inside a collective that would otherwise wait for the heartbeat.
   """
+  client = distributed.global_state.client
+  if client is None or jax.process_count() == 1:
+    yield
+    return
+  me, count = jax.process_index(), jax.process_count()
+  done = threading.Event()
+
+  def watch():
+    while not done.wait(poll_s):
+      post = _try_get(client, _EXITED_KEY)
+      if post is not None and not post.startswith(f"process {me}:"):
+        _exit(f"process {me} of {count}: {post}")
+
+  watcher = threading.Thread(target=watch, name="lost-host watcher", daemon=True)
+  watcher.start()
   try:
     yield
   except Exception as e:
-    client = distributed.global_state.client
-    if client is None or jax.process_count() == 1:
-      raise
-    me, count = jax.process_index(), jax.process_count()
+    cause = f"{type(e).__name__}: {str(e)[:300]}"
     try:
       client.key_value_set(f"rlver/alive_after_error/{me}", "1", allow_overwrite=True)
     except Exception:  # the coordinator, in process 0, is gone
@@ -118,14 +137,32 @@ def stop_when_a_host_is_lost(answer_within_s: float = 10.0):
           lost.append(peer)
     if not lost:
       raise
-    error = LostHostError(
-        f"process {me} of {count}: lost contact with process(es) {lost} ({type(e).__name__}: "
-        f"{str(e)[:300]}); relaunch every process with the same command to resume from the "
-        "last checkpoint")
-    logging.error("%s", error)
-    print(f"error: {error}", file=sys.stderr, flush=True)
-    logging.flush()
-    os._exit(LOST_HOST_EXIT_CODE)
+    done.set()
+    why = f"stopping: process(es) {lost} did not answer within {answer_within_s:g} s; here: {cause}"
+    try:  # the other hosts' watchers read this and stop too
+      client.key_value_set(_EXITED_KEY, f"process {me}: {why}", allow_overwrite=True)
+    except Exception:
+      pass
+    _exit(f"process {me} of {count}: {why}")
+  finally:
+    done.set()
+    watcher.join()  # no coordinator call may outlive the client's shutdown
+
+
+def _exit(message: str) -> None:
+  error = LostHostError(f"{message}. Relaunch every process with the same command to resume "
+                        "from the last checkpoint")
+  logging.error("%s", error)
+  print(f"error: {error}", file=sys.stderr, flush=True)
+  logging.flush()
+  os._exit(LOST_HOST_EXIT_CODE)
+
+
+def _try_get(client, key: str) -> str | None:
+  try:
+    return client.key_value_try_get(key)
+  except Exception:  # not set (or the coordinator is gone)
+    return None
 
 
 def barrier(name: str) -> None:

@@ -33,8 +33,10 @@ def maybe_initialize_distributed(force: bool = False) -> bool:
   processes on one machine in tests). On CPU the gloo collectives are selected,
   so a process group of CPU hosts can run cross-process computations. A host
   silent for `RLVER_HEARTBEAT_TIMEOUT_S` seconds (default 60) stops the others.
-  Must run before any other JAX call.
+  Must run before any other JAX call; calling it again is a no-op.
   """
+  if jax.distributed.is_initialized():
+    return True
   multi_worker_tpu = len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
   slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
   coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")

@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -113,7 +114,7 @@ def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path):
     assert time.monotonic() - lost_at < 60
   finally:
     wait(procs, 1)
-  assert "lost contact with process(es) [1]" in log_of(workdir, 0)
+  assert "process 0 of 2: stopping: process(es) [1] did not answer" in log_of(workdir, 0)
   checkpointed = max(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))
                      if n.isdigit())
 
@@ -150,3 +151,35 @@ def test_the_tpu_launcher_variable_starts_jax_distributed(monkeypatch):
   monkeypatch.setenv("RLVER_MULTIHOST", "1")
   assert sharding.maybe_initialize_distributed()
   assert calls == [{"heartbeat_timeout_seconds": 15, "shutdown_timeout_seconds": 15}]
+
+
+ONE_HOST_FAILS = textwrap.dedent("""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from rlver_jax import multihost, sharding
+    assert sharding.maybe_initialize_distributed()
+    import jax
+    with multihost.stop_when_a_host_is_lost(answer_within_s=3):
+      if jax.process_index() == 1:
+        raise ValueError("no samples here")
+      multihost_utils.process_allgather(np.zeros(1))  # process 0 waits in a collective
+""")
+
+
+def test_an_error_on_one_host_stops_the_other_naming_it():
+  coordinator = f"127.0.0.1:{_free_port()}"
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", ONE_HOST_FAILS], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": coordinator,
+           "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid), "RLVER_HEARTBEAT_TIMEOUT_S": "20",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}) for pid in range(2)]
+  try:
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [multihost.LOST_HOST_EXIT_CODE] * 2, outputs
+  assert ("process 0 of 2: process 1: stopping: process(es) [0] did not answer within 3 s; "
+          "here: ValueError: no samples here") in outputs[0]
+  assert "process 1 of 2: stopping" in outputs[1]
