@@ -52,8 +52,6 @@ from rlver_jax import sharding
 from sim_user.profiles import Profile
 from sim_user.simulator import Dialogue
 
-# Collated batch keys and the value their padding holds (anything else pads with 0).
-_PAD_VALUES = {"attention_mask": False}
 _FILLER_GROUP = 10**6  # filler rows get groups 10**6 + global row: their own groups
 
 # How a step metric combines over hosts: sums, maxima, or means weighted by a count
@@ -304,8 +302,7 @@ class Hosts:
     padded = {}
     for name, array in local.items():
       shape = (rows,) + tuple(width - (local["input_ids"].shape[1] - n) for n in array.shape[1:])
-      fill = pad_id if name == "input_ids" else _PAD_VALUES.get(name, 0)
-      out = np.full(shape, fill, array.dtype)
+      out = np.full(shape, pad_id if name == "input_ids" else 0, array.dtype)
       out[(slice(0, real),) + tuple(slice(0, n) for n in array.shape[1:])] = array[:real]
       padded[name] = out
     padded["groups"][real:] = _FILLER_GROUP + self.index * rows + np.arange(real, rows)

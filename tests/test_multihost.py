@@ -8,6 +8,7 @@ import textwrap
 import time
 
 import numpy as np
+import pytest
 
 from models import qwen2
 from models.sampler import Sampler, SamplingParams
@@ -183,3 +184,20 @@ def test_an_error_on_one_host_stops_the_other_naming_it():
   assert ("process 0 of 2: process 1: stopping: process(es) [0] did not answer within 3 s; "
           "here: ValueError: no samples here") in outputs[0]
   assert "process 1 of 2: stopping" in outputs[1]
+
+
+def test_step_metrics_combine_by_kind(monkeypatch):
+  hosts = object.__new__(multihost.Hosts)
+  hosts.count = 2
+  per_host = [
+      {"metrics": {"reward/mean": 0.5, "emotion/final_mean": 40.0, "sim/retries": 2,
+                   "time/rollout": 3.0, "grad_norm": 1.5},
+       "counts": {"samples": 3, "dialogues": 4, "kept_dialogues": 4}},
+      {"metrics": {"reward/mean": 0.1, "emotion/final_mean": 10.0, "time/rollout": 5.0,
+                   "grad_norm": 1.5},
+       "counts": {"samples": 1, "dialogues": 4, "kept_dialogues": 1}}]
+  monkeypatch.setattr(multihost, "allgather_json", lambda value: per_host)
+  out = hosts.reduce_metrics({}, {})
+  assert out["reward/mean"] == pytest.approx((3 * 0.5 + 0.1) / 4)  # weighted by samples
+  assert out["emotion/final_mean"] == pytest.approx((4 * 40 + 10) / 5)  # by kept dialogues
+  assert out["sim/retries"] == 2 and out["time/rollout"] == 5.0 and out["grad_norm"] == 1.5
