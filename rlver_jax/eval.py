@@ -146,4 +146,4 @@ def evaluate(config) -> dict:
 
 
 if __name__ == "__main__":
-  cli.run("eval.py", "evaluation config file[:variant]", evaluate)
+  cli.run("eval.py", "evaluation config file[:variant]", multihost.guarded(evaluate))

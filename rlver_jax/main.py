@@ -5,14 +5,12 @@
       --config.policy.checkpoint=DIR --config.rl.kl_coef=0.01   # any field can be overridden
 """
 
-from rlver_jax import cli, multihost, sharding, trainer
+from rlver_jax import cli, multihost, trainer
 
 
 def train(config) -> None:
-  sharding.maybe_initialize_distributed()
-  with multihost.stop_when_a_host_is_lost():
-    trainer.Trainer(config).run()
+  trainer.Trainer(config).run()
 
 
 if __name__ == "__main__":
-  cli.run("demo.py", "training config file[:variant]", train)
+  cli.run("demo.py", "training config file[:variant]", multihost.guarded(train))

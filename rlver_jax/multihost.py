@@ -147,6 +147,17 @@ def stop_when_a_host_is_lost(answer_within_s: float = 10.0, poll_s: float = 0.5)
     watcher.join()  # no coordinator call may outlive the client's shutdown
 
 
+def guarded(fn):
+  """`fn(config)` with jax.distributed started and `stop_when_a_host_is_lost` around it."""
+
+  def run(config):
+    sharding.maybe_initialize_distributed()
+    with stop_when_a_host_is_lost():
+      return fn(config)
+
+  return run
+
+
 def _exit(message: str) -> None:
   error = LostHostError(f"{message}. Relaunch every process with the same command to resume "
                         "from the last checkpoint")

@@ -263,4 +263,4 @@ def evaluate(config) -> dict:
 
 
 if __name__ == "__main__":
-  cli.run("retention.py", "retention config file", evaluate)
+  cli.run("retention.py", "retention config file", multihost.guarded(evaluate))
