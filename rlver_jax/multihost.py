@@ -264,6 +264,12 @@ class Hosts:
     """The global indices (profiles, dialogues) this host handles."""
     return block(num_items, self.index, self.count)
 
+  def total(self, count: int) -> int:
+    """`count` summed over hosts (a collective)."""
+    if self.count == 1:
+      return count
+    return int(multihost_utils.process_allgather(np.array([count], np.int64)).sum())
+
   # Weights.
 
   def local_params(self, state: nnx.State) -> nnx.State:

@@ -212,7 +212,7 @@ class Trainer:
     if step == config.crash_at_step:
       logging.warning("crash_at_step=%d: killing the process mid-step", step)
       os.kill(os.getpid(), 9)
-    if not rollout.samples:
+    if not self.hosts.total(len(rollout.samples)):  # a host may have dropped all of its own
       raise TrainingError(f"step {step}: every dialogue was dropped by the simulator")
 
     start = time.perf_counter()
