@@ -8,8 +8,8 @@
 #
 # Environment: TPU_NAME, ZONE (required); PROJECT, ACCELERATOR_TYPE (v4-32),
 # TPU_VERSION (tpu-ubuntu2204-base). `run MODULE ARGS...` runs `python -m MODULE ARGS`
-# on all workers at once; JAX finds its peers through the TPU metadata, and
-# rlver_jax.sharding.maybe_initialize_distributed() joins them.
+# on all workers at once, one process each; JAX finds its peers through the TPU metadata,
+# and rlver_jax.sharding.maybe_initialize_distributed() joins them (RLVER_MULTIHOST=1).
 set -euo pipefail
 
 : "${TPU_NAME:?set TPU_NAME}" "${ZONE:?set ZONE}"
@@ -47,7 +47,10 @@ case "$cmd" in
     module=${1:?usage: run_tpu.sh run MODULE [ARGS...]}
     shift
     args=$(printf ' %q' "$@")
-    on_all_workers "cd ~/$REMOTE_DIR && . .venv/bin/activate && python -m $module$args"
+    # One process per worker; RLVER_MULTIHOST=1 makes each join the others through
+    # jax.distributed.initialize(), which reads the slice's workers from the TPU metadata.
+    on_all_workers "cd ~/$REMOTE_DIR && . .venv/bin/activate && \
+      RLVER_MULTIHOST=1 python -m $module$args"
     ;;
   delete)
     tpu delete "$TPU_NAME" --quiet

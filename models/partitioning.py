@@ -96,6 +96,43 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None):
   return jax.tree.map(leaf_sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def optimizer_state_shardings(tx, params, mesh: Mesh | None):
+  """Shardings for `tx.init(params)`: moment trees like `params`, anything else replicated.
+
+  None without a mesh. (Left to itself, `jax.jit(tx.init)` puts the whole
+  state, which does not depend on the parameter values, on one device.)
+  """
+  if mesh is None:
+    return None
+  params_def = jax.tree.structure(params)
+  params_shardings = jax.tree.map(lambda x: x.sharding, params)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  like_params = lambda node: jax.tree.structure(node) == params_def
+  return jax.tree.map(lambda node: params_shardings if like_params(node) else replicated,
+                      jax.eval_shape(tx.init, params), is_leaf=like_params)
+
+
+def to_host(array) -> np.ndarray:
+  """The whole value of a (possibly multi-host) array as numpy on every host."""
+  if isinstance(array, jax.Array) and not (array.is_fully_addressable or
+                                           array.is_fully_replicated):
+    from jax.experimental import multihost_utils
+    array = multihost_utils.process_allgather(array, tiled=True)
+  return np.asarray(jax.device_get(array))
+
+
+def put_host_value(value, sharding: NamedSharding) -> jax.Array:
+  """Places a host value that every process holds identically (e.g. a collated batch).
+
+  Each process fills only its own devices' shards; unlike `jax.device_put`,
+  no all-gather checks that the processes agree.
+  """
+  if jax.process_count() == 1:
+    return jax.device_put(value, sharding)
+  value = np.asarray(value)
+  return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
 def mesh_context(mesh: Mesh | None):
   """Context under which `constrain` applies: trace and run jitted code inside it."""
   return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)

@@ -95,6 +95,9 @@ def sample_logits(logits_bv, key, temperature, top_p, *, greedy: bool, top_k: in
                   use_top_p: bool):
   """Samples one token per row; returns (tokens [B], logprobs [B]).
 
+  `key` is one key for the batch, or one key per row ([B]): then a row's draw
+  does not depend on which batch it is in.
+
   Log-probabilities are of the sampled token under softmax(logits / T) before
   top-k/top-p truncation (raw logits when greedy): the policy's own
   distribution, as RL needs it.
@@ -117,7 +120,10 @@ def sample_logits(logits_bv, key, temperature, top_p, *, greedy: bool, top_k: in
       kept_b = jnp.sum(jnp.cumsum(probs_bv, axis=-1) - probs_bv < top_p, axis=-1)
       threshold_b1 = jnp.take_along_axis(sorted_bv, kept_b[:, None] - 1, axis=-1)
       filtered_bv = jnp.where(filtered_bv < threshold_b1, -jnp.inf, filtered_bv)
-    tokens_b = jax.random.categorical(key, filtered_bv, axis=-1)
+    if jnp.ndim(key):
+      tokens_b = jax.vmap(jax.random.categorical)(key, filtered_bv)
+    else:
+      tokens_b = jax.random.categorical(key, filtered_bv, axis=-1)
   logprob_b = jnp.take_along_axis(logprobs_bv, tokens_b[:, None], axis=-1)[:, 0]
   return tokens_b.astype(jnp.int32), logprob_b
 
@@ -222,8 +228,12 @@ class Sampler:
     return Conversations(cache=self._place_cache(cache), num_rows=len(rows))
 
   def extend(self, convs: Conversations, new_tokens: Sequence[Sequence[int]],
-             params: SamplingParams) -> SampleOutput:
-    """Appends each row's new tokens to its dialogue, then samples a reply per row."""
+             params: SamplingParams, row_ids: Sequence[int] | None = None) -> SampleOutput:
+    """Appends each row's new tokens to its dialogue, then samples a reply per row.
+
+    Row r draws with key(params.seed) folded with `row_ids[r]` (default r): give
+    rows global ids and their tokens do not depend on the batch they are in.
+    """
     if len(new_tokens) != convs.num_rows:
       raise ValueError(f"got {len(new_tokens)} token lists for {convs.num_rows} dialogues")
     for row, tokens in enumerate(new_tokens):
@@ -241,6 +251,8 @@ class Sampler:
       tokens_bt[row, chunk - len(tokens):] = tokens
       mask_bt[row, chunk - len(tokens):] = True
     done_b = np.arange(batch) >= convs.num_rows
+    row_ids_b = np.zeros((batch,), np.int32)
+    row_ids_b[:convs.num_rows] = range(convs.num_rows) if row_ids is None else row_ids
 
     with partitioning.mesh_context(self.mesh):
       logits_bv, convs.cache = self._prefill(
@@ -248,7 +260,8 @@ class Sampler:
           self._put(mask_bt, ("batch", None)))
       out_tokens, out_logprobs, lengths, stopped, convs.cache = self._decode(
           self.state, convs.cache, logits_bv, self._put(done_b, ("batch",)),
-          jax.random.key(params.seed), jnp.float32(params.temperature or 1.0),
+          jax.random.key(params.seed), self._put(row_ids_b, ("batch",)),
+          jnp.float32(params.temperature or 1.0),
           jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens,
           greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
 
@@ -260,14 +273,15 @@ class Sampler:
         logprobs=[out_logprobs[r, :lengths[r]].tolist() for r in rows],
         stop_reasons=[STOP if stopped[r] else LENGTH for r in rows])
 
-  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> SampleOutput:
+  def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
+               row_ids: Sequence[int] | None = None) -> SampleOutput:
     """Samples one continuation per prompt (a fresh batch of one-turn dialogues)."""
     if not prompts:
       return SampleOutput([], [], [])
     longest = max(len(p) for p in prompts)
     convs = self.start(len(prompts), bucket_size(longest, self.min_chunk_bucket)
                        + params.max_new_tokens)
-    return self.extend(convs, prompts, params)
+    return self.extend(convs, prompts, params, row_ids)
 
 
 def _prefill(graphdef, state, cache, tokens_bt, mask_bt):
@@ -277,8 +291,8 @@ def _prefill(graphdef, state, cache, tokens_bt, mask_bt):
   return model.logits(hidden_btd[:, -1:])[:, 0], cache
 
 
-def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, key, temperature,
-            top_p, *, max_new_tokens, greedy, top_k, use_top_p):
+def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, key, row_ids_b,
+            temperature, top_p, *, max_new_tokens, greedy, top_k, use_top_p):
   """Samples until every row hit a stop token or `max_new_tokens` were drawn.
 
   Each step samples from the current logits, then feeds the sampled token
@@ -287,6 +301,7 @@ def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, k
   model = nnx.merge(graphdef, state)
   batch = logits_bv.shape[0]
   stop_ids = jnp.asarray(stop_token_ids, jnp.int32)
+  row_keys_b = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, row_ids_b)
 
   def cond(carry):
     step, _, _, _, _, done_b, _, _ = carry
@@ -294,8 +309,9 @@ def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, k
 
   def body(carry):
     step, tokens_bn, logprobs_bn, lengths_b, stopped_b, done_b, logits_bv, cache = carry
-    token_b, logprob_b = sample_logits(logits_bv, jax.random.fold_in(key, step), temperature,
-                                       top_p, greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+    step_keys_b = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys_b, step)
+    token_b, logprob_b = sample_logits(logits_bv, step_keys_b, temperature, top_p,
+                                       greedy=greedy, top_k=top_k, use_top_p=use_top_p)
     live_b = ~done_b
     token_b = jnp.where(live_b, token_b, pad_id)
     tokens_bn = jax.lax.dynamic_update_slice(tokens_bn, token_b[:, None], (0, step))

@@ -107,8 +107,14 @@ def _agent_view(dialogue: Dialogue, system_prompt: str, raw_replies: bool) -> li
 
 
 def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
-            profiles: Sequence[Profile], config: RolloutConfig, seed: int) -> Rollout:
-  """Runs one batch of dialogues to their end and returns the training samples."""
+            profiles: Sequence[Profile], config: RolloutConfig, seed: int,
+            first_profile: int = 0) -> Rollout:
+  """Runs one batch of dialogues to their end and returns the training samples.
+
+  `profiles` may be one host's share of a larger batch, starting at global
+  profile `first_profile`: groups and sampling keys follow the global index, so
+  each dialogue is the same whichever host runs it.
+  """
   start_time = time.perf_counter()
   sim_seconds = 0.0
   t0 = time.perf_counter()
@@ -118,12 +124,13 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   for group, opener in enumerate(openers):
     for _ in range(config.samples_per_profile):
       dialogues.append(copy.deepcopy(opener))
-      groups.append(group)
+      groups.append(first_profile + group)
 
   params = lambda turn: SamplingParams(
       max_new_tokens=config.max_new_tokens, temperature=config.temperature,
       top_p=config.top_p, top_k=config.top_k, seed=seed * 1000 + turn)
   sequences = [_Sequence() for _ in dialogues]
+  row_offset = first_profile * config.samples_per_profile  # global index of dialogue 0
   thinking_samples: list[Sample] = []
   thinking_turns: list[tuple[int, int, bool]] = []  # (dialogue, turn, well formed) per sample
   live = [i for i, d in enumerate(dialogues) if not d.done]
@@ -135,7 +142,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
     if config.thinking:
       prompts = [formatter.prompt_ids(_agent_view(dialogues[i], config.system_prompt, False))
                  for i in live]
-      out = sampler.generate(prompts, params(turn))
+      out = sampler.generate(prompts, params(turn), [row_offset + i for i in live])
     else:
       feeds = []
       for i in live:
@@ -149,7 +156,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
                                                   view[last_agent + 1:]))
       for i, feed in zip(live, feeds):
         sequences[i].feed(feed)
-      out = sampler.extend(convs, feeds, params(turn))
+      out = sampler.extend(convs, feeds, params(turn), [row_offset + i for i in live])
 
     replies = []
     for row, i in enumerate(live):

@@ -324,7 +324,7 @@ class Learner:
           _as_jit_writes_it, partitioning.state_shardings(params, mesh, rules)))
     self.params = params
     self.opt_state = None if tx is None else jax.jit(
-        tx.init, **self._state_placement(tx, params))(params)
+        tx.init, out_shardings=partitioning.optimizer_state_shardings(tx, params, mesh))(params)
     if tx is not None:
       self._update = jax.jit(functools.partial(update, loss_fn, self.graphdef, tx, cfg),
                              donate_argnums=(0, 1))
@@ -334,24 +334,11 @@ class Learner:
                                       donate_argnums=(0, 1))
     self._forward = {}
 
-  def _state_placement(self, tx, params) -> dict:
-    """Optimizer state sharded like the params it mirrors, scalars replicated.
-
-    tx.init's zeros depend on no input value; left to sharding propagation,
-    jit may place them elsewhere (on one device), and the first update then
-    reshards the whole state and the second one recompiles.
-    """
-    if self.mesh is None:
-      return {}
-    return {"out_shardings": optax.tree_utils.tree_map_params(
-        tx, lambda _, sharding: sharding, jax.eval_shape(tx.init, params),
-        jax.tree.map(lambda x: x.sharding, params),
-        transform_non_params=lambda _: NamedSharding(self.mesh, PartitionSpec()))}
-
   def shard_batch(self, batch: dict) -> dict:
     if self.mesh is None:
       return {k: jnp.asarray(v) for k, v in batch.items()}
-    return {k: jax.device_put(v, partitioning.batch_sharding(np.shape(v), self.mesh, self.rules))
+    return {k: partitioning.put_host_value(
+                v, partitioning.batch_sharding(np.shape(v), self.mesh, self.rules))
             for k, v in batch.items()}
 
   def update(self, micro_batches: Sequence[dict], learning_rate: float | None = None) -> dict:
@@ -398,7 +385,8 @@ class Learner:
     inputs = {k: batch[k] for k in ("input_ids", "attention_mask")}
     total = len(inputs["input_ids"])
     return np.concatenate([
-        np.asarray(self.apply(fn, {k: v[i:i + rows] for k, v in inputs.items()}, **static))
+        partitioning.to_host(self.apply(fn, {k: v[i:i + rows] for k, v in inputs.items()},
+                                        **static))
         for i in range(0, total, rows)])
 
   def model(self) -> nnx.Module:

@@ -24,13 +24,14 @@ import json
 import os
 from typing import Sequence
 
+import jax
 from absl import logging
 from tqdm import tqdm
 
 from models.errors import RunStopped
 from rl import rollout as rollout_lib
 from rl import system_prompts
-from rlver_jax import cli, config_checks, run_config, sharding, simulator_factory
+from rlver_jax import cli, config_checks, multihost, run_config, sharding, simulator_factory
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
 from sim_user import dynamics, profiles as profiles_lib
@@ -123,15 +124,21 @@ def plot(records: Sequence[dict], workdir: str) -> list[str]:
 
 
 def evaluate(config) -> dict:
+  """Runs the benchmark; every host runs its block of each batch, process 0 writes the files.
+
+  The workdir is shared by the hosts (as the checkpoints are): all read the
+  results of an earlier run to resume, only process 0 writes.
+  """
   config_checks.check_eval_config(config)
+  sharding.maybe_initialize_distributed()
   os.makedirs(config.workdir, exist_ok=True)
+  primary = jax.process_index() == 0
   e = config.eval
   profiles = profiles_lib.load_profiles(config.eval.profiles)[:e.limit or None]
   results_path = os.path.join(config.workdir, RESULTS_FILE)
   previous = metrics_lib.read_appended_jsonl(results_path)
   run_config.check_and_save(config, config.workdir, resuming=bool(previous))
   by_id = {r["id"]: r for r in previous if not r.get("failure")}  # failed ones run again
-  _write_records(results_path, list(by_id.values()))
   events_path = os.path.join(config.workdir, SIMULATOR_EVENTS_FILE)
   earlier_events = _read_json(events_path) if previous else {}
   todo = [p for p in profiles if p.id not in by_id]
@@ -139,8 +146,7 @@ def evaluate(config) -> dict:
     logging.info("resuming %s: %d of %d profiles already scored", results_path,
                  len(profiles) - len(todo), len(profiles))
 
-  sharding.maybe_initialize_distributed()
-  mesh = sharding.make_mesh(dict(config.mesh))
+  mesh = multihost.local_mesh(dict(config.mesh))  # each host runs its own dialogues
   policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
                                  param_dtype=config.policy.param_dtype, mesh=mesh)
   user = simulator_factory.make_simulated_user(config.sim_user, mesh)
@@ -154,26 +160,39 @@ def evaluate(config) -> dict:
       max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9, temperature=e.temperature,
       top_p=e.top_p, top_k=e.top_k)
 
+  if primary:
+    _write_records(results_path, list(by_id.values()))
   events = dict(earlier_events)
   turn_counts = collections.Counter()  # agent turns generated / cut off by max_new_tokens
+  results_file = open(results_path, "a", **WRITE_TEXT) if primary else None
   with tqdm(total=len(profiles), initial=len(profiles) - len(todo), unit="dialogue",
-            desc="eval") as bar, open(results_path, "a", **WRITE_TEXT) as results_file:
+            desc="eval", disable=not primary) as bar:
     for start in range(0, len(todo), e.batch_size):
       batch = todo[start:start + e.batch_size]
-      result = rollout_lib.collect(policy.sampler, policy.formatter, user, batch, rollout_cfg,
-                                   seed=config.seed + start)
-      for d in result.dialogues:  # on disk as soon as the batch ends: a kill loses no more
-        by_id[d.profile.id] = sage_record(d)
-        results_file.write(json.dumps(by_id[d.profile.id], ensure_ascii=False) + "\n")
-      results_file.flush()
-      turn_counts.update({key: result.metrics[f"agent_turns/{key}"]
-                          for key in ("generated", "cut_off")})
-      events = dict(collections.Counter(earlier_events) + collections.Counter(user.metrics))
-      _write_json(events_path, events)
+      share = multihost.share_of(len(batch))  # this host's block of the batch
+      mine = rollout_lib.collect(policy.sampler, policy.formatter, user,
+                                 batch[share.start:share.stop], rollout_cfg,
+                                 seed=config.seed + start, first_profile=share.start
+                                 ) if share else None
+      records = multihost.gather([sage_record(d) for d in mine.dialogues] if mine else [])
+      turn_counts.update(multihost.sum_counts({
+          key: mine.metrics[f"agent_turns/{key}"] if mine else 0
+          for key in ("generated", "cut_off")}))
+      events = dict(collections.Counter(earlier_events)
+                    + collections.Counter(multihost.sum_counts(user.metrics)))
+      for record in records:
+        by_id[record["id"]] = record
+      if primary:  # on disk as soon as the batch ends: a kill loses no more
+        results_file.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        results_file.flush()
+        _write_json(events_path, events)
       bar.update(len(batch))
       scored = [r["emo_point"] for r in by_id.values() if not r["failure"]]
       bar.set_postfix(score=f"{dynamics.summarize(scored)['score']:.1f}",
                       sim_fail=sum(1 for r in by_id.values() if r["failure"]))
+  if not primary:
+    return {}
+  results_file.close()
 
   selected = {p.id for p in profiles}
   records = [by_id[p.id] for p in profiles]
@@ -227,4 +246,4 @@ def _write_records(path: str, records: Sequence[dict]) -> None:
 
 
 if __name__ == "__main__":
-  cli.run("eval.py", "evaluation config file[:variant]", evaluate)
+  cli.run("eval.py", "evaluation config file[:variant]", multihost.guarded(evaluate))

@@ -124,9 +124,9 @@ def curve_panels(records: list[dict], keys=CURVE_KEYS) -> list[tuple[str, dict]]
 
 def plot_curves(metrics_path: str, out_path: str, keys=CURVE_KEYS) -> str | None:
   """A PNG of the given metrics and the simulator's events against step; its path (None
-  without data)."""
+  without data). With several hosts, process 0 draws it."""
   records = read_appended_jsonl(metrics_path)
-  if not records:
+  if not records or not _is_primary():
     return None
   import matplotlib
   matplotlib.use("Agg")

@@ -23,12 +23,13 @@ import os
 import re
 from typing import Callable
 
+import jax
 from absl import logging
 from tqdm import tqdm
 
 from models.sampler import STOP, SamplingParams
 from models.errors import UserInputError
-from rlver_jax import cli, sharding
+from rlver_jax import cli, multihost, sharding
 from rlver_jax import policy as policy_lib
 from sim_user.jsonl import iter_jsonl
 from sim_user.thinking import strip_thinking
@@ -227,7 +228,8 @@ def evaluate(config) -> dict:
   if r.limit:
     items = items[:r.limit]
   os.makedirs(config.workdir, exist_ok=True)
-  mesh = sharding.make_mesh(dict(config.mesh))
+  sharding.maybe_initialize_distributed()
+  mesh = multihost.local_mesh(dict(config.mesh))  # each host answers its share of the items
   policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype, mesh=mesh)
   params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                           seed=config.seed)
@@ -241,30 +243,37 @@ def evaluate(config) -> dict:
 
   out_path = os.path.join(config.workdir, f"retention_{r.task}.jsonl")
   correct = 0
-  with open(out_path, "w") as out, tqdm(total=len(items), unit="item", desc=r.task) as bar:
+  primary = jax.process_index() == 0  # writes every host's rows
+  with (open(out_path, "w") if primary else open(os.devnull, "w")) as out, tqdm(
+      total=len(items), unit="item", desc=r.task, disable=not primary) as bar:
     for start in range(0, len(items), r.batch_size):
       batch = items[start:start + r.batch_size]
-      result = policy.sampler.generate([prompt(item) for item in batch], params)
-      for item, tokens, reason in zip(batch, result.tokens, result.stop_reasons):
+      share = multihost.share_of(len(batch))
+      mine = batch[share.start:share.stop]
+      result = policy.sampler.generate([prompt(item) for item in mine], params, row_ids=share)
+      rows = []
+      for item, tokens, reason in zip(mine, result.tokens, result.stop_reasons):
         body = tokens[:-1] if reason == STOP else tokens
         response = policy.tokenizer.decode(body, skip_special_tokens=True)
         if r.strip_thinking:
           response = strip_thinking(response)
-        scored = score(r.task, item, response)
-        correct += scored["correct"]
-        out.write(json.dumps({**item, "response": response, "stop_reason": reason, **scored},
-                             ensure_ascii=False) + "\n")
+        rows.append({**item, "response": response, "stop_reason": reason,
+                     **score(r.task, item, response)})
+      for row in multihost.gather(rows):
+        correct += row["correct"]
+        out.write(json.dumps(row, ensure_ascii=False) + "\n")
       bar.update(len(batch))
       bar.set_postfix(accuracy=f"{100.0 * correct / (start + len(batch)):.1f}%")
   summary = {"task": r.task, "n": len(items), "correct": correct,
              "accuracy": 100.0 * correct / len(items),
              "settings": {"checkpoint": config.policy.checkpoint, "temperature": r.temperature,
                           "max_new_tokens": r.max_new_tokens, "data": r.data or r.tfds_name}}
-  with open(os.path.join(config.workdir, f"retention_{r.task}_summary.json"), "w") as f:
-    json.dump(summary, f, indent=2)
+  if primary:
+    with open(os.path.join(config.workdir, f"retention_{r.task}_summary.json"), "w") as f:
+      json.dump(summary, f, indent=2)
   logging.info("%s: %d/%d correct (%.1f%%)", r.task, correct, len(items), summary["accuracy"])
   return summary
 
 
 if __name__ == "__main__":
-  cli.run("retention.py", "retention config file", evaluate)
+  cli.run("retention.py", "retention config file", multihost.guarded(evaluate))

@@ -26,17 +26,22 @@ def maybe_initialize_distributed(force: bool = False) -> bool:
   """Calls `jax.distributed.initialize` on multi-host launches; returns whether it did.
 
   Multi-host is recognised from a multi-worker TPU VM or SLURM with several
-  tasks (JAX reads those environments itself), or from a launch by hand:
+  tasks (JAX reads those environments itself), `RLVER_MULTIHOST=1` (set by
+  run_tpu.sh on every worker), or from a launch by hand:
   `JAX_COORDINATOR_ADDRESS=host:port`, `JAX_NUM_PROCESSES` and `JAX_PROCESS_ID`
   in every process's environment (a GPU cluster without SLURM, or several
   processes on one machine in tests). On CPU the gloo collectives are selected,
-  so a process group of CPU hosts can run cross-process computations. Must run
-  before any other JAX call.
+  so a process group of CPU hosts can run cross-process computations. A host
+  silent for `RLVER_HEARTBEAT_TIMEOUT_S` seconds (default 60) stops the others.
+  Must run before any other JAX call; calling it again is a no-op.
   """
+  if jax.distributed.is_initialized():
+    return True
   multi_worker_tpu = len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
   slurm = int(os.environ.get("SLURM_NTASKS", "1")) > 1
   coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
-  if not (force or coordinator or multi_worker_tpu or slurm):
+  launcher = os.environ.get("RLVER_MULTIHOST") == "1"  # run_tpu.sh: JAX reads the TPU metadata
+  if not (force or coordinator or multi_worker_tpu or slurm or launcher):
     return False
   kwargs = {}
   if coordinator and "JAX_NUM_PROCESSES" in os.environ:
@@ -50,11 +55,21 @@ def maybe_initialize_distributed(force: bool = False) -> bool:
           f"JAX_PROCESS_ID=0..N-1 in every process's environment ({e!r})") from None
   if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(**kwargs)
+  # A host that stops sending heartbeats for this long stops every other host.
+  heartbeat_s = _positive_int_env("RLVER_HEARTBEAT_TIMEOUT_S", 60)
+  jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat_s,
+                             shutdown_timeout_seconds=heartbeat_s)
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return True
+
+
+def _positive_int_env(name: str, default: int) -> int:
+  value = os.environ.get(name, str(default))
+  if not value.isdigit() or int(value) < 1:
+    raise UserInputError(f"{name}={value!r}: expected a positive number of seconds")
+  return int(value)
 
 
 def resolve_mesh_shape(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:

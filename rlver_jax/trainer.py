@@ -35,7 +35,7 @@ from rl import train_step
 from rlver_jax import config_checks
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
-from rlver_jax import run_config, sharding, simulator_factory, tiny
+from rlver_jax import multihost, run_config, sharding, simulator_factory, tiny
 from sim_user import profiles as profiles_lib
 
 
@@ -60,9 +60,10 @@ class SimulatorFailureGuard:
     self.in_a_row = 0
     self.recent_reasons = collections.deque(maxlen=reasons_kept)
 
-  def trainable(self, step: int, dialogues) -> bool:
-    failures = [d.failure for d in dialogues if d.failure]
-    share = len(failures) / max(len(dialogues), 1)
+  def trainable(self, step: int, failure_reasons: list) -> bool:
+    """`failure_reasons`: each dialogue's failure reason, None where it did not fail."""
+    failures = [reason for reason in failure_reasons if reason]
+    share = len(failures) / max(len(failure_reasons), 1)
     if share <= self.max_share:
       self.in_a_row = 0
       return True
@@ -70,7 +71,7 @@ class SimulatorFailureGuard:
     self.recent_reasons.extend(failures)
     logging.warning("step %d not trained on: %d of %d dialogues failed in the simulator %s "
                     "(more than %.0f%%; %d such step(s) in a row); last: %s", step, len(failures),
-                    len(dialogues), self.simulator, 100 * self.max_share, self.in_a_row,
+                    len(failure_reasons), self.simulator, 100 * self.max_share, self.in_a_row,
                     failures[-1])
     return False
 
@@ -109,8 +110,9 @@ def checkpoint_due(step: int, final_step: int, every: int, every_minutes: float,
 def resolve_policy_checkpoint(config) -> str:
   if config.policy.tiny_init:
     path = os.path.join(config.workdir, "init_policy")
-    if not os.path.exists(os.path.join(path, "config.json")):
+    if jax.process_index() == 0 and not os.path.exists(os.path.join(path, "config.json")):
       tiny.write_checkpoint(path, seed=config.seed)
+    multihost.barrier("tiny init policy written")  # the other hosts read process 0's files
     return path
   return config.policy.checkpoint
 
@@ -169,6 +171,7 @@ class Trainer:
                               resuming=self.checkpoints.latest_step() is not None)
     sharding.maybe_initialize_distributed()
     self.mesh = sharding.make_mesh(dict(config.mesh))
+    self.hosts = multihost.Hosts(self.mesh, dict(config.mesh))
     self.loss_cfg = loss_config(config)
     self.system_prompt = system_prompts.resolve(
         config.rollout.system_prompt, language=config.sim_user.language,
@@ -206,15 +209,15 @@ class Trainer:
     if config.rl.kl_coef:
       reference = qwen2.from_pretrained(policy_path, **{**load, "remat": False})
       self.reference = train_step.Learner(reference, mesh=self.mesh)
-    self.sampler = Sampler(policy, stop_token_ids=policy_lib.stop_token_ids(
+    self.sampler = Sampler(self.hosts.local_model(policy), stop_token_ids=policy_lib.stop_token_ids(
                                self.tokenizer, eos_token_id=policy.config.eos_token_id),
-                           pad_id=self.tokenizer.pad_token_id or 0, mesh=self.mesh)
-    self.user = simulator_factory.make_simulated_user(config.sim_user, self.mesh)
+                           pad_id=self.tokenizer.pad_token_id or 0, mesh=self.hosts.local_mesh)
+    self.user = simulator_factory.make_simulated_user(config.sim_user, self.hosts.local_mesh)
     self.user.check_health()  # one request: a dead simulator fails here, fast
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
         simulator_factory.describe(config.sim_user))
-    self.micro_multiple = self.sampler.data_parallel_size() * config.optim.grad_accum
+    self.micro_multiple = self.hosts.train_data_parallel_size * config.optim.grad_accum
     self.batch_multiple = self.micro_multiple * config.optim.num_minibatches
 
     self.step, self.order, self.skipped_updates = 0, ProfileOrder(len(self.profiles), config.seed), 0
@@ -270,22 +273,26 @@ class Trainer:
     step = self.step + 1
     # batch_size counts profiles (verl's batch size counts prompts); each is sampled n times.
     chosen = [self.profiles[i] for i in self.order.take(config.batch_size)]
+    share = self.hosts.share(len(chosen))  # this host's dialogues
     sim_counts_before = dict(self.user.metrics)
-    self.sampler.update_weights(self.policy.params)
-    rollout = rollout_lib.collect(self.sampler, self.formatter, self.user, chosen,
-                                  self.rollout_cfg, seed=config.seed * 100_003 + step)
+    self.sampler.update_weights(self.hosts.local_params(self.policy.params))
+    rollout = rollout_lib.collect(self.sampler, self.formatter, self.user,
+                                  chosen[share.start:share.stop], self.rollout_cfg,
+                                  seed=config.seed * 100_003 + step, first_profile=share.start)
     sim_events = {key: count - sim_counts_before.get(key, 0)  # this step's simulator events
                   for key, count in self.user.metrics.items()}
     rollout_metrics = {**rollout.metrics, **sim_events, "tokens_per_s": rollout.metrics[
         "tokens/generated"] / max(rollout.metrics["time/rollout"], 1e-9)}
-    if not self.simulator_guard.trainable(step, rollout.dialogues):
+    if not self.simulator_guard.trainable(
+        step, multihost.gather([d.failure for d in rollout.dialogues])):
       self.step = step
-      return {**rollout_metrics, "untrained/simulator": 1}
-    if not rollout.samples:
+      return self.hosts.reduce_step_metrics({**rollout_metrics, "untrained/simulator": 1},
+                                            rollout)
+    if not self.hosts.total(len(rollout.samples)):  # a host may have dropped all of its own
       raise TrainingError(f"step {step}: every dialogue was dropped by the simulator")
 
     start = time.perf_counter()
-    batch = train_step.collate(rollout.samples, self.batch_multiple,
+    batch = self.hosts.collate(rollout.samples, self.batch_multiple,
                                pad_id=self.tokenizer.pad_token_id or 0)
     micro_rows = len(batch["input_ids"]) // (config.optim.num_minibatches
                                              * config.optim.grad_accum)
@@ -341,14 +348,15 @@ class Trainer:
         "samples": len(rollout.samples), "untrained/simulator": 0,
     })
     self.step = step
-    return out
+    return self.hosts.reduce_step_metrics(out, rollout)
 
   def run(self) -> None:
     config = self.config
     if self.step < config.steps:  # the first step's jit compilation is otherwise a silent wait
       logging.info("step %d compiles the sampler and the update steps first: it is the slow one",
                    self.step + 1)
-    bar = tqdm(total=config.steps, initial=self.step, unit="step", desc="train")
+    bar = tqdm(total=config.steps, initial=self.step, unit="step", desc="train",
+               disable=not self.hosts.primary)
     try:
       while self.step < config.steps:
         step_start = time.perf_counter()

@@ -139,6 +139,7 @@ def test_run_tpu_sh_drives_gcloud_on_all_workers(tmp_path):
   assert any("scp" in c and "--worker=all" in c for c in calls)
   run = [c for c in calls if "python -m rlver_jax.main" in c]
   assert run and "--worker=all" in run[0] and "run\\ 1" in run[0]
+  assert "RLVER_MULTIHOST=1 python -m rlver_jax.main" in run[0]
   assert all("--zone us-central2-b --project p" in c for c in calls)
   assert calls[-1].startswith("compute tpus tpu-vm delete rlver")
   bad = subprocess.run(["bash", os.path.join(ROOT, "run_tpu.sh"), "launch"], env=env,

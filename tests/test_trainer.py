@@ -157,7 +157,7 @@ def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, ser
 
 def test_simulator_guard_skips_mostly_failed_steps_and_stops_after_k_in_a_row():
   guard = trainer.SimulatorFailureGuard(0.5, 2, "http://sim:8000/v1")
-  dialogues = lambda *failures: [types.SimpleNamespace(failure=f) for f in failures]
+  dialogues = lambda *failures: list(failures)  # each dialogue's failure reason or None
   assert guard.trainable(1, dialogues(None, "a", "b", None))  # half failed: trained on
   assert not guard.trainable(2, dialogues("c", "d", None))
   guard.raise_if_down()  # one bad step: not yet

@@ -1,0 +1,357 @@
+"""Several JAX processes (hosts) running one trainer or evaluator together.
+
+Design (the one Tunix and verl follow in their own ways):
+- Rollouts are host-local. Each host runs a contiguous block of the batch's
+  profiles (`Hosts.share`, from the global profile index) with its own
+  simulator client, on a sampler whose mesh holds only this host's devices.
+  After each update the training weights are resharded onto every host's
+  local mesh in one jitted all-gather (`Hosts.local_params`), so hosts never
+  wait for each other during a dialogue and no host code reads an array that
+  spans other hosts. Sampling keys fold in the global dialogue index
+  (`rl.rollout.collect(first_profile=...)`), so the dialogues do not depend
+  on how many hosts there are.
+- Training batches are collated on each host from its own rows with a width
+  agreed by all hosts, then all-gathered (`Hosts.collate`): every host holds
+  the same global numpy batch (token ids and masks, small next to the
+  weights), so advantages (GRPO groups, whitening over the global batch) and
+  mini-batch splits are computed exactly as on one host, and the learners
+  place the batch on the global mesh as before. We chose this over
+  `jax.make_array_from_process_local_data` because it leaves every batch
+  computation of `rl/` unchanged and host-count independent, for one
+  all-gather of int32 tokens per step.
+- Metrics are reduced over hosts (`Hosts.reduce_metrics`) and written by
+  process 0; Orbax checkpoints are written by all hosts together.
+
+With one process every method is the identity of the single-host path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import sys
+import threading
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from absl import logging
+from jax._src import distributed
+from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh, NamedSharding
+
+from models import partitioning
+from models.sampler import bucket_size
+from rl import train_step
+from rl.rollout import Rollout, Sample
+from rlver_jax import sharding
+from sim_user.profiles import Profile
+from sim_user.simulator import Dialogue
+
+_FILLER_GROUP = 10**6  # filler rows get groups 10**6 + global row: their own groups
+
+# How a step metric combines over hosts: sums, maxima, or means weighted by a count
+# (the weight's name); any other metric is the plain mean over hosts (e.g. the update
+# metrics, identical on every host).
+_SUMMED_PREFIXES = ("sim/", "dialogues/", "tokens/")
+_SUMMED = ("samples", "skipped_updates")
+_MAXED_PREFIXES = ("time/",)
+_WEIGHTS = {"reward/mean": "samples", "response_len/mean": "samples",
+            "emotion/final_mean": "kept_dialogues", "success_rate": "kept_dialogues",
+            "failure_rate": "kept_dialogues", "turns/mean": "dialogues",
+            "format_ok_rate": "dialogues"}
+
+
+def allgather_json(value: Any) -> list[Any]:
+  """Every host's JSON-serialisable `value`, in process order (a collective: all hosts call)."""
+  if jax.process_count() == 1:
+    return [value]
+  data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+  lengths = multihost_utils.process_allgather(np.array([len(data)], np.int32)).reshape(-1)
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:len(data)] = data
+  gathered = multihost_utils.process_allgather(padded).reshape(len(lengths), -1)
+  return [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, lengths)]
+
+
+LOST_HOST_EXIT_CODE = 3
+
+
+class LostHostError(RuntimeError):
+  pass
+
+
+_EXITED_KEY = "rlver/exited"  # "process N: why", set by a host that stops the run
+
+
+@contextlib.contextmanager
+def stop_when_a_host_is_lost(answer_within_s: float = 10.0, poll_s: float = 0.5):
+  """Stops every host, with an error naming the lost one, when one host dies or fails alone.
+
+  A host killed outright makes the others' next collective fail (or the
+  coordination service's heartbeat check, RLVER_HEARTBEAT_TIMEOUT_S, stops
+  them). On an exception, a host checks in with the coordinator and waits
+  `answer_within_s` for the others: if all check in (an error raised on every
+  host alike), the error is re-raised unchanged. Otherwise it names the hosts
+  that did not answer, posts why it stops, and exits with LOST_HOST_EXIT_CODE
+  at once (JAX's shutdown barrier would wait for the lost host); a watcher on
+  every other host reads that post within `poll_s` and exits the same way,
+  even from inside a collective that would otherwise wait for the heartbeat.
+  """
+  client = distributed.global_state.client
+  if client is None or jax.process_count() == 1:
+    yield
+    return
+  me, count = jax.process_index(), jax.process_count()
+  done = threading.Event()
+
+  def watch():
+    while not done.wait(poll_s):
+      post = _try_get(client, _EXITED_KEY)
+      if post is not None and not post.startswith(f"process {me}:"):
+        _exit(f"process {me} of {count}: {post}")
+
+  watcher = threading.Thread(target=watch, name="lost-host watcher", daemon=True)
+  watcher.start()
+  try:
+    yield
+  except Exception as e:
+    cause = f"{type(e).__name__}: {str(e)[:300]}"
+    try:
+      client.key_value_set(f"rlver/alive_after_error/{me}", "1", allow_overwrite=True)
+    except Exception:  # the coordinator, in process 0, is gone
+      lost = [0]
+    else:
+      lost = []
+      for peer in range(count):
+        try:
+          client.blocking_key_value_get(f"rlver/alive_after_error/{peer}",
+                                        int(answer_within_s * 1000))
+        except Exception:  # the coordinator's timeout: the peer never checked in
+          lost.append(peer)
+    if not lost:
+      raise
+    done.set()
+    why = f"stopping: process(es) {lost} did not answer within {answer_within_s:g} s; here: {cause}"
+    try:  # the other hosts' watchers read this and stop too
+      client.key_value_set(_EXITED_KEY, f"process {me}: {why}", allow_overwrite=True)
+    except Exception:
+      pass
+    _exit(f"process {me} of {count}: {why}")
+  finally:
+    done.set()
+    watcher.join()  # no coordinator call may outlive the client's shutdown
+
+
+def guarded(fn):
+  """`fn(config)` with jax.distributed started and `stop_when_a_host_is_lost` around it."""
+
+  def run(config):
+    sharding.maybe_initialize_distributed()
+    with stop_when_a_host_is_lost():
+      return fn(config)
+
+  return run
+
+
+def _exit(message: str) -> None:
+  error = LostHostError(f"{message}. Relaunch every process with the same command to resume "
+                        "from the last checkpoint")
+  logging.error("%s", error)
+  print(f"error: {error}", file=sys.stderr, flush=True)
+  logging.flush()
+  os._exit(LOST_HOST_EXIT_CODE)
+
+
+def _try_get(client, key: str) -> str | None:
+  try:
+    return client.key_value_try_get(key)
+  except Exception:  # not set (or the coordinator is gone)
+    return None
+
+
+def barrier(name: str) -> None:
+  """Waits until every host got here (no-op with one process)."""
+  if jax.process_count() > 1:
+    multihost_utils.sync_global_devices(name)
+
+
+def block(num_items: int, index: int, count: int) -> range:
+  """Host `index`'s contiguous share of `num_items` (the first hosts take one more)."""
+  per_host, extra = divmod(num_items, count)
+  start = index * per_host + min(index, extra)
+  return range(start, start + per_host + (index < extra))
+
+
+def local_mesh(mesh_axes) -> Mesh:
+  """`mesh_axes` resolved over this host's devices (all devices with one process)."""
+  return sharding.make_mesh(mesh_axes, jax.local_devices())
+
+
+def share_of(num_items: int) -> range:
+  """This host's contiguous block of `num_items` (e.g. one batch of evaluation profiles)."""
+  return block(num_items, jax.process_index(), jax.process_count())
+
+
+def gather(records: Sequence[Any]) -> list[Any]:
+  """Every host's JSON-serialisable records, host after host (a collective)."""
+  return [record for host in allgather_json(list(records)) for record in host]
+
+
+def sum_counts(counts: dict) -> dict:
+  """Event counters summed over hosts (a collective)."""
+  total = {}
+  for host in allgather_json(dict(counts)):
+    for key, count in host.items():
+      total[key] = total.get(key, 0) + count
+  return total
+
+
+def gather_dialogues(dialogues: Sequence[Dialogue]) -> list[Dialogue]:
+  """Every host's dialogues, host after host (a collective)."""
+  if jax.process_count() == 1:
+    return list(dialogues)
+  records = [{**{f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "profile"},
+              "profile": dataclasses.asdict(d.profile)} for d in dialogues]
+  out = []
+  for record in gather(records):
+    profile = record.pop("profile")
+    profile["cha_group"] = tuple(profile["cha_group"])
+    out.append(Dialogue(profile=Profile(**profile), **record))
+  return out
+
+
+class Hosts:
+  """This process's place among the hosts, and the host-local mesh its sampler runs on.
+
+  `mesh_axes` (the run's mesh config) is resolved over this host's devices
+  for the local mesh; e.g. `{"fsdp": -1}` shards the sampler's weights over
+  the local devices.
+  """
+
+  def __init__(self, train_mesh: Mesh, mesh_axes, rules=None):
+    self.index, self.count = jax.process_index(), jax.process_count()
+    self.train_mesh, self.rules = train_mesh, rules
+    self.primary = self.index == 0
+    self.train_data_parallel_size = math.prod(
+        train_mesh.shape[a] for a in partitioning.mesh_axes("batch", train_mesh, rules))
+    if self.count == 1:
+      self.local_mesh = train_mesh
+      return
+    per_host = [sharding.make_mesh(mesh_axes, [d for d in jax.devices() if d.process_index == p])
+                for p in range(self.count)]
+    self.local_mesh = per_host[self.index]
+    # All devices, one slice per host laid out as that host's local mesh: a sharding
+    # replicated over "hosts" has, on each host, exactly the local mesh's shards.
+    names = ("hosts",) + tuple(self.local_mesh.axis_names)
+    self._hosts_mesh = Mesh(np.stack([m.devices for m in per_host]), names,
+                            axis_types=(AxisType.Auto,) * len(names))
+    self._gathers = {}
+
+  def share(self, num_items: int) -> range:
+    """The global indices (profiles, dialogues) this host handles."""
+    return block(num_items, self.index, self.count)
+
+  def total(self, count: int) -> int:
+    """`count` summed over hosts (a collective)."""
+    if self.count == 1:
+      return count
+    return int(multihost_utils.process_allgather(np.array([count], np.int64)).sum())
+
+  # Weights.
+
+  def local_params(self, state: nnx.State) -> nnx.State:
+    """`state` (placed on the training mesh) resharded onto this host's local mesh.
+
+    One jitted all-gather over hosts, then each host keeps its own devices' shards.
+    """
+    if self.count == 1:
+      return state
+    local = partitioning.state_shardings(state, self.local_mesh, self.rules)
+    replicated = jax.tree.map(lambda s: NamedSharding(self._hosts_mesh, s.spec), local)
+    key = jax.tree.structure(state)
+    if key not in self._gathers:
+      self._gathers[key] = jax.jit(lambda x: x, out_shardings=replicated)
+    gathered = self._gathers[key](state)
+    return jax.tree.map(
+        lambda array, s: jax.make_array_from_single_device_arrays(
+            array.shape, s, [shard.data for shard in array.addressable_shards]),
+        gathered, local)
+
+  def local_model(self, model: nnx.Module) -> nnx.Module:
+    """A copy of `model` whose weights live on this host's local mesh."""
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, self.local_params(state))
+
+  # Batches.
+
+  def collate(self, samples: Sequence[Sample], batch_multiple: int, pad_id: int) -> dict:
+    """The global training batch (numpy, identical on every host) from each host's samples.
+
+    Host h's rows come h-th, padded to a common row count and width; filler rows
+    have all-zero masks and groups of their own. Rows: a multiple of
+    `batch_multiple`; width: the power-of-two bucket of the longest sample anywhere.
+    """
+    if self.count == 1:
+      return train_step.collate(samples, batch_multiple, pad_id)
+    counts_lengths = multihost_utils.process_allgather(
+        np.array([len(samples), max((len(s.tokens) for s in samples), default=1)], np.int32))
+    counts_lengths = counts_lengths.reshape(self.count, 2)
+    multiple = math.lcm(batch_multiple, self.count)
+    rows = -(-int(counts_lengths[:, 0].max()) * self.count // multiple) * multiple // self.count
+    width = bucket_size(int(counts_lengths[:, 1].max()), minimum=32)
+    filler = Sample(tokens=[pad_id], loss_mask=[0], logprobs=[0.0], reward=0.0, group=0,
+                    dialogue=-1)
+    local = train_step.collate(list(samples) or [filler], 1, pad_id)
+    real = len(samples)
+    padded = {}
+    for name, array in local.items():
+      shape = (rows,) + tuple(width - (local["input_ids"].shape[1] - n) for n in array.shape[1:])
+      out = np.full(shape, pad_id if name == "input_ids" else 0, array.dtype)
+      out[(slice(0, real),) + tuple(slice(0, n) for n in array.shape[1:])] = array[:real]
+      padded[name] = out
+    padded["groups"][real:] = _FILLER_GROUP + self.index * rows + np.arange(real, rows)
+    return multihost_utils.process_allgather(padded, tiled=True)
+
+  # Metrics.
+
+  def reduce_step_metrics(self, metrics: dict, rollout: Rollout) -> dict:
+    """A training step's metrics over all hosts; `rollout` is this host's share."""
+    if self.count == 1:
+      return metrics
+    out = self.reduce_metrics(metrics, {
+        "samples": len(rollout.samples), "dialogues": len(rollout.dialogues),
+        "kept_dialogues": sum(1 for d in rollout.dialogues if not d.dropped)})
+    if "tokens_per_s" in out:  # a rate of the sums, not a sum of rates
+      out["tokens_per_s"] = out["tokens/generated"] / max(out["time/rollout"], 1e-9)
+    return out
+
+  def reduce_metrics(self, metrics: dict, counts: dict) -> dict:
+    """Metrics over all hosts (`counts`: this host's samples, dialogues, ... as weights)."""
+    if self.count == 1:
+      return metrics
+    hosts = allgather_json({"metrics": {k: _plain(v) for k, v in metrics.items()},
+                            "counts": counts})
+    keys = sorted({k for h in hosts for k in h["metrics"]})
+    out = {}
+    for key in keys:
+      values = [h["metrics"].get(key, 0.0) for h in hosts]
+      if key in _SUMMED or key.startswith(_SUMMED_PREFIXES):
+        out[key] = sum(values)
+      elif key.startswith(_MAXED_PREFIXES):
+        out[key] = max(values)
+      elif key in _WEIGHTS:
+        weights = [h["counts"][_WEIGHTS[key]] for h in hosts]
+        out[key] = float(np.average(values, weights=weights)) if sum(weights) else 0.0
+      else:
+        out[key] = float(np.mean(values))
+    return out
+
+
+def _plain(value):
+  value = np.asarray(value).item()
+  return value if isinstance(value, (int, float, bool)) else float(value)

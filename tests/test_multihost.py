@@ -1,0 +1,203 @@
+"""The trainer on several JAX processes (127.0.0.1, gloo on CPU) against one process."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from models import qwen2
+from models.sampler import Sampler, SamplingParams
+from rlver_jax import metrics as metrics_lib
+from rlver_jax import multihost, tiny
+from sim_user import profiles
+from tests.test_multiprocess import _free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEMO = [f"--config={ROOT}/configs/demo.py", "--config.batch_size=4",
+        "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1"]
+
+
+def launch(workdir, processes: int, devices: int, *flags, heartbeat_s: int = 60,
+           program=("rlver_jax.main", *DEMO)):
+  """Starts `program` (the demo trainer) as `processes` processes of `devices` CPU devices."""
+  coordinator = f"127.0.0.1:{_free_port()}"
+  procs = []
+  for pid in range(processes):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RLVER_HEARTBEAT_TIMEOUT_S": str(heartbeat_s),
+           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+    if processes > 1:
+      env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(processes),
+                 JAX_PROCESS_ID=str(pid))
+    log = open(os.path.join(os.path.dirname(workdir), f"{os.path.basename(workdir)}.{pid}.log"),
+               "w")
+    procs.append(subprocess.Popen(
+        [sys.executable, "-m", *program, f"--config.workdir={workdir}", *flags],
+        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
+  return procs
+
+
+def wait(procs, timeout_s=600):
+  deadline = time.monotonic() + timeout_s
+  try:
+    return [p.wait(timeout=max(1, deadline - time.monotonic())) for p in procs]
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+
+
+def log_of(workdir, pid):
+  with open(f"{workdir}.{pid}.log") as f:
+    return f.read()
+
+
+def read_metrics(workdir):
+  return metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+
+
+def test_hosts_split_rows_into_contiguous_blocks():
+  assert [list(multihost.block(5, i, 2)) for i in range(2)] == [[0, 1, 2], [3, 4]]
+  assert [list(multihost.block(2, i, 3)) for i in range(3)] == [[0], [1], []]
+
+
+def test_a_rows_tokens_follow_its_id_not_its_batch():
+  model = qwen2.init_random(qwen2.Qwen2Config(vocab_size=64, hidden_size=32,
+                                              intermediate_size=64, num_layers=1, num_heads=2,
+                                              num_kv_heads=1), seed=0)
+  sampler = Sampler(model, stop_token_ids=[1])
+  params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=7)
+  prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
+  together = sampler.generate(prompts, params, row_ids=[10, 11, 12, 13])
+  for row in range(4):
+    alone = sampler.generate([prompts[row]], params, row_ids=[10 + row])
+    assert alone.tokens[0] == together.tokens[row]
+    np.testing.assert_allclose(alone.logprobs[0], together.logprobs[row], rtol=1e-5)
+  other_ids = sampler.generate(prompts, params, row_ids=[20, 21, 22, 23])
+  assert other_ids.tokens != together.tokens
+
+
+def test_two_processes_of_two_devices_match_one_of_four(tmp_path):
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  assert wait(launch(one, 1, 4, "--config.steps=2")) == [0], log_of(one, 0)[-3000:]
+  codes = wait(launch(two, 2, 2, "--config.steps=2"))
+  assert codes == [0, 0], log_of(two, 0)[-3000:] + log_of(two, 1)[-3000:]
+  a, b = read_metrics(one), read_metrics(two)
+  assert [r["step"] for r in b] == [1, 2]  # one metrics file, written once
+  for ra, rb in zip(a, b):
+    for key in ("reward/mean", "emotion/final_mean", "turns/mean", "response_len/mean",
+                "samples", "tokens/generated", "sim/end/max_turns"):
+      assert ra[key] == rb[key], (ra["step"], key)
+    for key in ("value_loss", "pg_loss", "grad_norm", "entropy"):
+      np.testing.assert_allclose(ra[key], rb[key], rtol=1e-3, atol=1e-7,
+                                 err_msg=f"step {ra['step']} {key}")
+  assert os.path.exists(os.path.join(two, "export", "config.json"))
+  assert os.listdir(os.path.join(two, "checkpoints"))
+
+
+def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path):
+  workdir = str(tmp_path / "run")
+  procs = launch(workdir, 2, 2, "--config.steps=3", heartbeat_s=20)
+  try:
+    deadline = time.monotonic() + 400
+    first_checkpoint = os.path.join(workdir, "checkpoints", "1")
+    while not os.path.isdir(first_checkpoint) and time.monotonic() < deadline:
+      assert all(p.poll() is None for p in procs), log_of(workdir, 0)[-3000:]
+      time.sleep(0.5)
+    assert os.path.isdir(first_checkpoint), "step 1 was not checkpointed"
+    procs[1].send_signal(signal.SIGKILL)
+    lost_at = time.monotonic()
+    assert procs[0].wait(timeout=120) == multihost.LOST_HOST_EXIT_CODE, log_of(workdir, 0)[-3000:]
+    assert time.monotonic() - lost_at < 60
+  finally:
+    wait(procs, 1)
+  assert "process 0 of 2: stopping: process(es) [1] did not answer" in log_of(workdir, 0)
+  checkpointed = max(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))
+                     if n.isdigit())
+
+  codes = wait(launch(workdir, 2, 2, "--config.steps=3"))
+  assert codes == [0, 0], log_of(workdir, 0)[-3000:] + log_of(workdir, 1)[-3000:]
+  assert f"at step {checkpointed}" in log_of(workdir, 0)
+  assert [r["step"] for r in read_metrics(workdir)] == [1, 2, 3]
+
+
+def test_the_evaluator_on_two_processes_writes_the_results_of_one(tmp_path):
+  tiny.write_checkpoint(str(tmp_path / "policy"), seed=3)
+  program = ("rlver_jax.eval", f"--config={ROOT}/configs/eval.py",
+             f"--config.policy.checkpoint={tmp_path / 'policy'}", "--config.policy.dtype=float32",
+             f"--config.eval.profiles={profiles.DEMO_PROFILES}", "--config.eval.batch_size=5",
+             "--config.eval.max_new_tokens=6", "--config.eval.temperature=1.0",
+             "--config.sim_user.backend=scripted", "--config.sim_user.language=en")
+  one, two = str(tmp_path / "one"), str(tmp_path / "two")
+  assert wait(launch(one, 1, 2, program=program)) == [0], log_of(one, 0)[-3000:]
+  codes = wait(launch(two, 2, 1, program=program))
+  assert codes == [0, 0], log_of(two, 0)[-3000:] + log_of(two, 1)[-3000:]
+  for name in ("results.jsonl", "summary.json"):
+    with open(os.path.join(one, name)) as a, open(os.path.join(two, name)) as b:
+      assert a.read() == b.read(), name
+
+
+def test_the_tpu_launcher_variable_starts_jax_distributed(monkeypatch):
+  from rlver_jax import sharding
+  calls = []
+  monkeypatch.setattr(sharding.jax.distributed, "initialize", lambda **kw: calls.append(kw))
+  for name in ("JAX_COORDINATOR_ADDRESS", "TPU_WORKER_HOSTNAMES", "SLURM_NTASKS"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("RLVER_HEARTBEAT_TIMEOUT_S", "15")
+  assert not sharding.maybe_initialize_distributed()
+  monkeypatch.setenv("RLVER_MULTIHOST", "1")
+  assert sharding.maybe_initialize_distributed()
+  assert calls == [{"heartbeat_timeout_seconds": 15, "shutdown_timeout_seconds": 15}]
+
+
+ONE_HOST_FAILS = textwrap.dedent("""
+    import numpy as np
+    from jax.experimental import multihost_utils
+    from rlver_jax import multihost, sharding
+    assert sharding.maybe_initialize_distributed()
+    import jax
+    with multihost.stop_when_a_host_is_lost(answer_within_s=3):
+      if jax.process_index() == 1:
+        raise ValueError("no samples here")
+      multihost_utils.process_allgather(np.zeros(1))  # process 0 waits in a collective
+""")
+
+
+def test_an_error_on_one_host_stops_the_other_naming_it():
+  coordinator = f"127.0.0.1:{_free_port()}"
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", ONE_HOST_FAILS], cwd=ROOT, text=True, stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": coordinator,
+           "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid), "RLVER_HEARTBEAT_TIMEOUT_S": "20",
+           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}) for pid in range(2)]
+  try:
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+  finally:
+    for p in procs:
+      p.kill()
+  assert [p.returncode for p in procs] == [multihost.LOST_HOST_EXIT_CODE] * 2, outputs
+  assert ("process 0 of 2: process 1: stopping: process(es) [0] did not answer within 3 s; "
+          "here: ValueError: no samples here") in outputs[0]
+  assert "process 1 of 2: stopping" in outputs[1]
+
+
+def test_step_metrics_combine_by_kind(monkeypatch):
+  hosts = object.__new__(multihost.Hosts)
+  hosts.count = 2
+  per_host = [
+      {"metrics": {"reward/mean": 0.5, "emotion/final_mean": 40.0, "sim/retries": 2,
+                   "time/rollout": 3.0, "grad_norm": 1.5},
+       "counts": {"samples": 3, "dialogues": 4, "kept_dialogues": 4}},
+      {"metrics": {"reward/mean": 0.1, "emotion/final_mean": 10.0, "time/rollout": 5.0,
+                   "grad_norm": 1.5},
+       "counts": {"samples": 1, "dialogues": 4, "kept_dialogues": 1}}]
+  monkeypatch.setattr(multihost, "allgather_json", lambda value: per_host)
+  out = hosts.reduce_metrics({}, {})
+  assert out["reward/mean"] == pytest.approx((3 * 0.5 + 0.1) / 4)  # weighted by samples
+  assert out["emotion/final_mean"] == pytest.approx((4 * 40 + 10) / 5)  # by kept dialogues
+  assert out["sim/retries"] == 2 and out["time/rollout"] == 5.0 and out["grad_norm"] == 1.5
