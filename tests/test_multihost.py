@@ -57,7 +57,7 @@ def log_of(workdir, pid):
 
 
 def read_metrics(workdir):
-  return metrics_lib.read_metrics(os.path.join(workdir, "metrics.jsonl"))
+  return metrics_lib.read_appended_jsonl(os.path.join(workdir, "metrics.jsonl"))
 
 
 def test_hosts_split_rows_into_contiguous_blocks():
