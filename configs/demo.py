@@ -41,6 +41,7 @@ def get_config(arg: str = ""):
   c.optim.warmup_steps = 2
   c.rl.entropy_coef = 0.0
 
+  c.log_dialogues_every = 10
   c.checkpoint.every = 10
   c.checkpoint.keep = 2
   return c

@@ -30,6 +30,7 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   c.steps = 1000
   c.batch_size = 32  # profiles per step; dialogues = batch_size x rollout.samples_per_profile
   c.log_every = 1
+  c.log_dialogues_every = 20  # steps between whole dialogues in W/dialogues.jsonl (0: never)
 
   c.mesh = common.mesh_config()
 

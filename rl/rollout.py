@@ -239,6 +239,9 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
       "agent_turns/cut_off": cut_off_turns,
       "agent_turns/cut_off_rate": 100.0 * cut_off_turns / max(generated_turns, 1),
   }
+  for intention in sorted({d.profile.intention for d in kept if d.profile.intention}):
+    metrics[f"emotion/final/{intention}"] = float(np.mean(
+        [d.emotion for d in kept if d.profile.intention == intention]))
   if config.thinking:
     metrics["format_ok_rate"] = 100.0 * float(np.mean([ok for *_, ok in thinking_turns] or [0]))
   return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)

@@ -116,6 +116,7 @@ def check_train_config(config) -> None:
             "minutes between saves; must be >= 0 (0: off)")
   p.require("checkpoint.keep", _at_least(1), "must be >= 1")
   p.require("max_skipped_updates", _at_least(0), "must be >= 0")
+  p.require("log_dialogues_every", _at_least(0), "steps between logged dialogues; >= 0 (0: never)")
 
   p.one_of("rl.algorithm", ALGORITHMS)
   p.require("rollout.samples_per_profile", _at_least(1), "must be >= 1")

@@ -14,6 +14,7 @@ CURVE_KEYS = ("reward/mean", "emotion/final_mean", "success_rate")
 # Per-step simulator counters drawn together in one panel; a step without one had none.
 SIMULATOR_FAILURE_KEYS = ("dialogues/simulator_failed", "dialogues/dropped")
 SIMULATOR_RETRY_PREFIX = "sim/retries"  # sim/retries, sim/retries_succeeded, ...
+INTENTION_PREFIX = "emotion/final/"  # emotion/final/<hidden intention>, drawn in one panel
 
 
 class MetricsWriter:
@@ -103,16 +104,22 @@ def read_appended_jsonl(path: str) -> list[dict]:
 
 
 def curve_panels(records: list[dict], keys=CURVE_KEYS) -> list[tuple[str, dict]]:
-  """(title, {key: (steps, values)}) per panel: one per metric present, then the simulator's.
+  """(title, {key: (steps, values)}) per panel: one per metric present, then the final
+  emotion per hidden intention, then the simulator's.
 
   The simulator panel shows failed and dropped dialogues and every retry
   counter per step (absent from a record: none that step).
   """
   panels = []
+  series = lambda key: ([r["step"] for r in records if key in r],
+                        [r[key] for r in records if key in r])
   for key in keys:
-    steps = [r["step"] for r in records if key in r]
-    if steps:
-      panels.append((key, {key: (steps, [r[key] for r in records if key in r])}))
+    if any(key in r for r in records):
+      panels.append((key, {key: series(key)}))
+  intentions = sorted({k for r in records for k in r if k.startswith(INTENTION_PREFIX)})
+  if intentions:
+    panels.append(("final emotion by hidden intention",
+                   {k[len(INTENTION_PREFIX):]: series(k) for k in intentions}))
   simulator_keys = list(SIMULATOR_FAILURE_KEYS) + sorted(
       {k for r in records for k in r if k.startswith(SIMULATOR_RETRY_PREFIX)})
   if any(k in r for r in records for k in simulator_keys):
@@ -144,7 +151,7 @@ def plot_curves(metrics_path: str, out_path: str, keys=CURVE_KEYS) -> str | None
       ax.plot(steps, smooth, linewidth=2, label=f"mean of last {window}")
     if ax.get_legend_handles_labels()[0]:
       ax.legend(loc="best", fontsize=8)
-    ax.set_ylabel(title if len(lines) == 1 else "count")
+    ax.set_ylabel(title if len(lines) == 1 else "")
     ax.set_title(title if len(lines) > 1 else "", fontsize=9)
     ax.grid(alpha=0.3)
   axes[-1, 0].set_xlabel("step")

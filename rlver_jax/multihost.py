@@ -339,13 +339,15 @@ class Hosts:
     keys = sorted({k for h in hosts for k in h["metrics"]})
     out = {}
     for key in keys:
-      values = [h["metrics"].get(key, 0.0) for h in hosts]
+      # Hosts without the key had nothing of it (no dialogue of that intention, say).
+      reporting = [h for h in hosts if key in h["metrics"]]
+      values = [h["metrics"][key] for h in reporting]
       if key in _SUMMED or key.startswith(_SUMMED_PREFIXES):
         out[key] = sum(values)
       elif key.startswith(_MAXED_PREFIXES):
         out[key] = max(values)
       elif key in _WEIGHTS:
-        weights = [h["counts"][_WEIGHTS[key]] for h in hosts]
+        weights = [h["counts"][_WEIGHTS[key]] for h in reporting]
         out[key] = float(np.average(values, weights=weights)) if sum(weights) else 0.0
       else:
         out[key] = float(np.mean(values))

@@ -32,7 +32,7 @@ from models.sampler import Sampler
 from rl import rollout as rollout_lib
 from rl import system_prompts
 from rl import train_step
-from rlver_jax import config_checks
+from rlver_jax import config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
 from rlver_jax import multihost, run_config, sharding, simulator_factory, tiny
@@ -224,6 +224,8 @@ class Trainer:
     self._last_save = time.monotonic()
     self._restore()
     self.metrics = metrics_lib.MetricsWriter(config.workdir, resume_step=self.step)
+    self.dialogue_log = dialogue_log.DialogueLog(
+        config.workdir, every=config.log_dialogues_every, primary=self.hosts.primary)
 
   # Checkpoints.
 
@@ -279,6 +281,7 @@ class Trainer:
     rollout = rollout_lib.collect(self.sampler, self.formatter, self.user,
                                   chosen[share.start:share.stop], self.rollout_cfg,
                                   seed=config.seed * 100_003 + step, first_profile=share.start)
+    self.dialogue_log.observe(step, rollout.dialogues)
     sim_events = {key: count - sim_counts_before.get(key, 0)  # this step's simulator events
                   for key, count in self.user.metrics.items()}
     rollout_metrics = {**rollout.metrics, **sim_events, "tokens_per_s": rollout.metrics[
@@ -351,6 +354,14 @@ class Trainer:
     return self.hosts.reduce_step_metrics(out, rollout)
 
   def run(self) -> None:
+    try:
+      self._run()
+    finally:  # also when stopped or interrupted: where the plot, metrics, dialogues, export are
+      if self.hosts.primary:
+        dialogue_log.report_outputs(self.config.workdir, self.step, self.config.steps,
+                                    self.dialogue_log)
+
+  def _run(self) -> None:
     config = self.config
     if self.step < config.steps:  # the first step's jit compilation is otherwise a silent wait
       logging.info("step %d compiles the sampler and the update steps first: it is the slow one",

@@ -8,7 +8,6 @@ import struct
 import subprocess
 import sys
 import time
-import types
 
 import jax
 import numpy as np
@@ -49,9 +48,9 @@ REQUIRED_METRICS = ("step", "reward/mean", "emotion/final_mean", "success_rate",
                     "grad_norm", "time/rollout", "time/simulator", "time/train", "tokens_per_s")
 
 
-def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, caplog):
+def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, caplog, capsys):
   caplog.set_level("INFO")
-  trainer.Trainer(small_demo(tmp_path)).run()
+  trainer.Trainer(small_demo(tmp_path, log_dialogues_every=2)).run()
   assert sum("step 1 compiles" in m for m in caplog.messages) == 1  # not a silent wait
   records = read_metrics(tmp_path)
   assert [r["step"] for r in records] == [1, 2, 3]
@@ -67,6 +66,17 @@ def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, capl
   exported = qwen2.from_pretrained(tmp_path / "export")
   assert exported.config.num_layers == 2
   assert os.path.exists(tmp_path / "export" / "tokenizer.json")
+  # What the policy says: whole dialogues of step 2, its replies per hidden intention, and
+  # where everything is, printed at the end.
+  logged = [json.loads(line) for line in open(tmp_path / "dialogues.jsonl")]
+  assert [r["step"] for r in logged] == [2, 2] and all(r["turns"] for r in logged)
+  intentions = {p.intention for p in profiles_lib.load_profiles(profiles_lib.DEMO_PROFILES)}
+  per_intention = {k.split("/")[-1] for k in records[-1] if k.startswith("emotion/final/")}
+  assert len(per_intention) >= 2 and per_intention <= intentions  # 4 profiles a step
+  table = json.load(open(tmp_path / "replies_by_intention.json"))
+  assert len(table) >= 2 and set(table) <= intentions
+  printed = capsys.readouterr().out
+  assert "done: 3/3 steps" in printed and str(tmp_path / "export") in printed
 
 
 def test_grpo_and_thinking_modes_run(tmp_path):

@@ -1,0 +1,166 @@
+"""What the policy says: sampled whole dialogues during training, and its replies per intention.
+
+Every `log_dialogues_every` steps (config; 0 = never) a few of the step's
+dialogues, both sides with per-turn emotion, the simulator's planning notes
+and the reward, go to W/dialogues.jsonl and to TensorBoard's text tab, so a
+reward hack is visible the step it starts. At the end of a run the policy's
+most frequent reply for each hidden intention over its last steps is written
+to W/replies_by_intention.md and .json, and the paths of everything the run
+wrote are printed, however the run ended.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+from typing import Sequence
+
+from absl import logging
+
+from sim_user.simulator import Dialogue
+
+DIALOGUES = "dialogues.jsonl"
+REPLIES_TABLE = "replies_by_intention"
+RECENT_STEPS = 5  # the replies table describes the policy of the run's last steps
+
+
+def dialogue_record(step: int, d: Dialogue) -> dict:
+  """A dialogue as one JSON-able object: turns in order, user turns with emotion and notes."""
+  turns = []
+  for m in d.history:
+    turn = {"role": m["role"], "content": m["content"]}
+    if m["role"] == "user":
+      turn["emotion"] = m.get("emotion-point")
+      if "planning" in m:
+        turn["planning"] = m["planning"]
+    turns.append(turn)
+  return {"step": step, "profile": d.profile.id, "intention": d.profile.intention,
+          "end_reason": d.end_reason, "failure": d.failure, "final_emotion": d.emotion,
+          "reward": d.reward, "turns": turns}
+
+
+def dialogue_markdown(record: dict) -> str:
+  """The record as TensorBoard text: one line per turn, notes and change under user turns."""
+  lines = [f"**{record['profile']}** (intention {record['intention']}): final emotion "
+           f"{record['final_emotion']:g}, reward {record['reward']}, ended by "
+           f"{record['end_reason']}", ""]
+  for turn in record["turns"]:
+    if turn["role"] == "assistant":
+      lines.append(f"- **policy:** {turn['content']}")
+      continue
+    lines.append(f"- **user** [{turn['emotion']:g}]: {turn['content']}")
+    planning = turn.get("planning")
+    if planning:
+      lines.append(f"    - *{planning.get('TargetCompletion', '')}* "
+                   f"(change {planning.get('change', 0):+d})")
+  return "\n".join(lines)
+
+
+def _pick(dialogues: Sequence[Dialogue], count: int) -> list[Dialogue]:
+  """`count` kept dialogues from best to worst final emotion, evenly spaced."""
+  kept = sorted((d for d in dialogues if not d.dropped), key=lambda d: -d.emotion)
+  if len(kept) <= count:
+    return kept
+  return [kept[round(i * (len(kept) - 1) / max(count - 1, 1))] for i in range(count)]
+
+
+class DialogueLog:
+  """Sampled dialogues to W/dialogues.jsonl and TensorBoard; recent replies per intention."""
+
+  def __init__(self, workdir: str, every: int = 0, count: int = 2, primary: bool = True):
+    """`primary`: this process writes files (one process of a multi-host run does)."""
+    self.workdir, self.every, self.count, self.primary = workdir, every, count, primary
+    self.path = os.path.join(workdir, DIALOGUES)
+    self._recent: collections.deque = collections.deque(maxlen=RECENT_STEPS)
+    self._tb = None
+    if primary and every > 0:
+      try:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(workdir)
+      except ImportError:
+        logging.warning("tensorboardX not installed: dialogues only in %s", self.path)
+
+  def observe(self, step: int, dialogues: Sequence[Dialogue]) -> None:
+    """Remembers this step's replies; on logging steps writes a few dialogues."""
+    self._recent.append([(d.profile.intention, d.emotion, m["content"])
+                         for d in dialogues if not d.dropped
+                         for m in d.history if m["role"] == "assistant"])
+    if not self.primary or not self.every or step % self.every:
+      return
+    records = [dialogue_record(step, d) for d in _pick(dialogues, self.count)]
+    with open(self.path, "a") as f:
+      for record in records:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+    if self._tb is not None:
+      for k, record in enumerate(records):
+        self._tb.add_text(f"dialogues/{k}", dialogue_markdown(record), step)
+      self._tb.flush()
+
+  def replies_by_intention(self) -> dict:
+    """intention -> most frequent reply of the recent steps, its share, replies counted."""
+    replies = collections.defaultdict(collections.Counter)
+    for step in self._recent:
+      for intention, _, reply in step:
+        replies[intention or "unknown"][reply.strip()] += 1
+    table = {}
+    for intention, counter in sorted(replies.items()):
+      reply, count = counter.most_common(1)[0]
+      total = sum(counter.values())
+      table[intention] = {"reply": reply, "share": count / total, "replies": total}
+    return table
+
+  def write_table(self) -> str | None:
+    """W/replies_by_intention.md and .json; the .md path, or None before any step."""
+    table = self.replies_by_intention()
+    if not table or not self.primary:
+      return None
+    with open(os.path.join(self.workdir, REPLIES_TABLE + ".json"), "w") as f:
+      json.dump(table, f, indent=1, ensure_ascii=False)
+    lines = [f"Most frequent policy reply per hidden intention, last {len(self._recent)} steps",
+             "", "| intention | most frequent reply | share | replies |", "| --- | --- | --- | --- |"]
+    for intention, row in table.items():
+      reply = row["reply"].replace("|", "\\|").replace("\n", " ")
+      lines.append(f"| {intention} | {reply} | {100 * row['share']:.0f}% | {row['replies']} |")
+    path = os.path.join(self.workdir, REPLIES_TABLE + ".md")
+    with open(path, "w") as f:
+      f.write("\n".join(lines) + "\n")
+    return path
+
+  def close(self) -> None:
+    if self._tb is not None:
+      self._tb.close()
+
+
+def _ending(step: int, steps: int) -> str:
+  error = sys.exc_info()[1]
+  if isinstance(error, KeyboardInterrupt):
+    return f"interrupted at step {step}/{steps}"
+  if error is not None:
+    return f"stopped by {type(error).__name__} at step {step}/{steps}"
+  return f"done: {step}/{steps} steps" if step >= steps else f"stopped at step {step}/{steps}"
+
+
+def report_outputs(workdir: str, step: int, steps: int, log: DialogueLog | None = None,
+                   out=None) -> str:
+  """Writes the replies table and prints where the run's outputs are; returns the text.
+
+  Call from a `finally:` so that interrupted and failed runs report too.
+  """
+  table = log.write_table() if log is not None else None
+  if log is not None:
+    log.close()
+  places = [("reward curve", "reward_curve.png"), ("metrics", "metrics.jsonl"),
+            ("dialogues", DIALOGUES), ("checkpoints", "checkpoints"), ("export", "export")]
+  lines = [f"run {_ending(step, steps)}; outputs in {os.path.abspath(workdir)}:"]
+  for name, relative in places:
+    path = os.path.join(workdir, relative)
+    if os.path.exists(path):
+      lines.append(f"  {name + ':':15s}{os.path.abspath(path)}")
+  if table:
+    lines.append(f"  {'replies table:':15s}{os.path.abspath(table)}")
+  lines.append(f"  {'tensorboard:':15s}tensorboard --logdir {os.path.abspath(workdir)}")
+  text = "\n".join(lines)
+  print(text, file=out or sys.stdout, flush=True)
+  return text

@@ -1,0 +1,79 @@
+"""What the policy says: logged dialogues, replies per intention, where a run's outputs are."""
+
+import io
+import json
+import os
+
+import pytest
+
+from rlver_jax import dialogue_log
+from rlver_jax import metrics as metrics_lib
+from sim_user import dynamics, profiles, templates
+from sim_user.backends.scripted import ScriptedBackend
+from sim_user.simulator import SimulatedUser
+
+DEMO = profiles.load_profiles(profiles.DEMO_PROFILES)
+
+
+def make_user():
+  return SimulatedUser(ScriptedBackend(), dynamics.RLVER_TRAIN,
+                       templates.PromptSet.load(language="en"))
+
+
+def test_dialogue_log_writes_dialogues_tensorboard_text_and_the_replies_table(tmp_path):
+  log = dialogue_log.DialogueLog(str(tmp_path), every=2, count=2)
+  user = make_user()
+  replies = ["I am so sorry, that sounds painful.", "sorry sorry sorry", "Tell me more."]
+  for step in (1, 2):
+    dialogues = user.start(DEMO[:3])
+    user.respond(dialogues, replies)
+    log.observe(step, dialogues)
+  records = [json.loads(line) for line in open(tmp_path / "dialogues.jsonl")]
+  assert [r["step"] for r in records] == [2, 2]  # only on logging steps, two dialogues each
+  best, worst = records
+  assert best["final_emotion"] >= worst["final_emotion"]  # best and worst of the step
+  for record in records:
+    user_turn = record["turns"][2]
+    assert record["turns"][1]["role"] == "assistant" and user_turn["role"] == "user"
+    assert user_turn["emotion"] == record["final_emotion"]
+    assert "change" in user_turn["planning"] and record["reward"] == record["final_emotion"] / 100
+    assert f"**policy:** {record['turns'][1]['content']}" in dialogue_log.dialogue_markdown(record)
+  log.close()
+  assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
+  table = log.replies_by_intention()
+  assert table[DEMO[1].intention] == {"reply": "sorry sorry sorry", "share": 1.0, "replies": 2}
+  text = dialogue_log.report_outputs(str(tmp_path), 2, 10, log, out=io.StringIO())
+  assert "stopped at step 2/10" in text and "dialogues.jsonl" in text
+  assert "sorry sorry sorry" in open(tmp_path / "replies_by_intention.md").read()
+
+
+def test_interrupted_run_reports_where_its_outputs_are(tmp_path):
+  out = io.StringIO()
+  with pytest.raises(KeyboardInterrupt):
+    try:
+      raise KeyboardInterrupt
+    finally:
+      dialogue_log.report_outputs(str(tmp_path), 3, 10, out=out)
+  assert "interrupted at step 3/10" in out.getvalue()
+
+
+def test_only_the_primary_process_writes_dialogues(tmp_path):
+  log = dialogue_log.DialogueLog(str(tmp_path), every=1, count=2, primary=False)
+  user = make_user()
+  dialogues = user.start(DEMO[:2])
+  user.respond(dialogues, ["Tell me more.", "Tell me more."])
+  log.observe(1, dialogues)
+  assert log.write_table() is None and not os.listdir(tmp_path)
+
+
+def test_reward_curve_has_a_panel_of_final_emotion_per_intention(tmp_path):
+  records = [{"step": step, "reward/mean": 0.1 * step, "success_rate": 10.0 * step,
+              "emotion/final/get_advice": 10.0 * step, "emotion/final/be_praised": 5.0 * step}
+             for step in range(1, 7)]
+  panels = dict(metrics_lib.curve_panels(records))
+  assert set(panels["final emotion by hidden intention"]) == {"get_advice", "be_praised"}
+  assert "success_rate" in panels
+  path = tmp_path / "metrics.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in records))
+  assert metrics_lib.plot_curves(str(path), str(tmp_path / "curve.png"))
+  assert os.path.getsize(tmp_path / "curve.png") > 0
