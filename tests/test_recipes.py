@@ -274,10 +274,10 @@ class CutOffSampler:
   def start(self, num_rows, capacity=0):
     return None
 
-  def extend(self, convs, new_tokens, params):
+  def extend(self, convs, new_tokens, params, row_ids=None):
     return self._replies(len(new_tokens))
 
-  def generate(self, prompts, params):
+  def generate(self, prompts, params, row_ids=None):
     return self._replies(len(prompts))
 
   def _replies(self, rows):
