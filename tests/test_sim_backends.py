@@ -19,7 +19,9 @@ from tests.fake_openai import REPLY_ANSWER, SECRET, backend_for, requests_for
 
 def test_http_client_retries_every_injected_fault(serve, monkeypatch, caplog):
   server = serve(["500", "429", "timeout", "malformed", "empty", "slow"])
-  backend = backend_for(server, monkeypatch, max_retries=6, max_concurrency=3)
+  # "slow" answers after 0.15 s and "timeout" after 1 s: a 0.8 s deadline tells them apart
+  # with room for a loaded machine.
+  backend = backend_for(server, monkeypatch, max_retries=6, max_concurrency=3, timeout_s=0.8)
   with caplog.at_level(logging.DEBUG):
     results = backend.complete(requests_for([f"prompt {i}" for i in range(5)]))
   assert results == [REPLY_ANSWER] * 5
