@@ -13,7 +13,6 @@ from rl import losses
 from rl import system_prompts
 from rlver_jax import simulator_factory
 from sim_user import dynamics, templates
-from sim_user.simulator import DROP, END_FAILED
 
 ALGORITHMS = ("ppo", "grpo")
 REWARDS = ("final", "turn")
@@ -76,7 +75,7 @@ def _check_sim_user(p: _Problems) -> None:
   p.one_of("sim_user.rules", sorted(dynamics.RULES))
   p.one_of("sim_user.variant", templates.VARIANTS)
   p.one_of("sim_user.language", templates.LANGUAGES)
-  p.one_of("sim_user.on_failure", (END_FAILED, DROP))
+  p.one_of("sim_user.on_failure", simulator_factory.ON_FAILURE)
   p.require("sim_user.parse_retries", _at_least(0), "must be >= 0")
   p.require("sim_user.max_agent_turns", _at_least(0),
             "agent replies per dialogue; must be >= 0 (0: the rule set's own limit)")
