@@ -56,13 +56,18 @@ def maybe_initialize_distributed(force: bool = False) -> bool:
   if os.environ.get("JAX_PLATFORMS", "").split(",")[0] == "cpu":
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
   # A host that stops sending heartbeats for this long stops every other host.
-  heartbeat_s = _positive_int_env("RLVER_HEARTBEAT_TIMEOUT_S", 60)
+  heartbeat_s = heartbeat_timeout_s()
   jax.distributed.initialize(**kwargs, heartbeat_timeout_seconds=heartbeat_s,
                              shutdown_timeout_seconds=heartbeat_s)
   logging.info("jax.distributed: process %d of %d, %d local / %d global devices",
                jax.process_index(), jax.process_count(), jax.local_device_count(),
                jax.device_count())
   return True
+
+
+def heartbeat_timeout_s() -> int:
+  """Seconds of silence after which JAX's coordination service aborts every host."""
+  return _positive_int_env("RLVER_HEARTBEAT_TIMEOUT_S", 60)
 
 
 def _positive_int_env(name: str, default: int) -> int:

@@ -99,7 +99,10 @@ def test_two_processes_of_two_devices_match_one_of_four(tmp_path):
   assert os.listdir(os.path.join(two, "checkpoints"))
 
 
-def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path):
+# SIGKILL: the lost host's sockets close; SIGSTOP: it hangs, its sockets stay open and
+# only the missing heartbeat tells (the survivor may be in a rollout, making no collective call).
+@pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
+def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path, how):
   workdir = str(tmp_path / "run")
   procs = launch(workdir, 2, 2, "--config.steps=3", heartbeat_s=20)
   try:
@@ -109,11 +112,12 @@ def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path):
       assert all(p.poll() is None for p in procs), log_of(workdir, 0)[-3000:]
       time.sleep(0.5)
     assert os.path.isdir(first_checkpoint), "step 1 was not checkpointed"
-    procs[1].send_signal(signal.SIGKILL)
+    procs[1].send_signal(how)
     lost_at = time.monotonic()
     assert procs[0].wait(timeout=120) == multihost.LOST_HOST_EXIT_CODE, log_of(workdir, 0)[-3000:]
     assert time.monotonic() - lost_at < 60
   finally:
+    procs[1].kill()
     wait(procs, 1)
   assert "process 0 of 2: stopping: process(es) [1] did not answer" in log_of(workdir, 0)
   checkpointed = max(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))

@@ -32,16 +32,16 @@ def test_processes_started_by_hand_form_one_group():
            "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
            "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-  outputs = []
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+  outputs = []  # (stdout, stderr): gloo writes to stderr, unsynchronised with our prints
   for p in procs:
     try:
-      outputs.append(p.communicate(timeout=120)[0])
+      outputs.append(p.communicate(timeout=120))
     finally:
       p.kill()
-  for p, out in zip(procs, outputs):
-    assert p.returncode == 0, out
-    assert "RESULT 2 4 [0, 1]" in out, out
+  for p, (out, err) in zip(procs, outputs):
+    assert p.returncode == 0, out + err
+    assert "RESULT 2 4 [0, 1]" in out, out + err
 
 
 def test_a_launch_by_hand_names_the_missing_variable(monkeypatch):
