@@ -58,7 +58,7 @@ _FILLER_GROUP = 10**6  # filler rows get groups 10**6 + global row: their own gr
 # How a step metric combines over hosts: sums, maxima, or means weighted by a count
 # (the weight's name); any other metric is the plain mean over hosts (e.g. the update
 # metrics, identical on every host).
-_SUMMED_PREFIXES = ("sim/", "dialogues/", "tokens/")
+_SUMMED_PREFIXES = ("sim/", "dialogues/", "tokens/", "agent_turns/")
 _SUMMED = ("samples", "skipped_updates")
 _MAXED_PREFIXES = ("time/",)
 _WEIGHTS = {"reward/mean": "samples", "response_len/mean": "samples",
@@ -356,15 +356,27 @@ class Hosts:
     """A training step's metrics over all hosts; `rollout` is this host's share."""
     if self.count == 1:
       return metrics
-    out = self.reduce_metrics(metrics, {
-        "samples": len(rollout.samples), "dialogues": len(rollout.dialogues),
-        "kept_dialogues": sum(1 for d in rollout.dialogues if not d.dropped)})
-    if "tokens_per_s" in out:  # a rate of the sums, not a sum of rates
+    kept = [d for d in rollout.dialogues if not d.dropped]
+    counts = {"samples": len(rollout.samples), "dialogues": len(rollout.dialogues),
+              "kept_dialogues": len(kept)}
+    for d in kept:  # the weights of emotion/final/<intention>
+      key = f"emotion/final/{d.profile.intention}"
+      counts[key] = counts.get(key, 0) + 1
+    out = self.reduce_metrics(metrics, counts)
+    # Rates of the sums, not means of the hosts' rates.
+    if "tokens_per_s" in out:
       out["tokens_per_s"] = out["tokens/generated"] / max(out["time/rollout"], 1e-9)
+    if "agent_turns/cut_off_rate" in out:
+      out["agent_turns/cut_off_rate"] = (100.0 * out["agent_turns/cut_off"]
+                                         / max(out["agent_turns/generated"], 1))
     return out
 
   def reduce_metrics(self, metrics: dict, counts: dict) -> dict:
-    """Metrics over all hosts (`counts`: this host's samples, dialogues, ... as weights)."""
+    """Metrics over all hosts (`counts`: this host's samples, dialogues, ... as weights).
+
+    A metric named in `counts` is weighted by that count; one named in _WEIGHTS by the
+    count it names there.
+    """
     if self.count == 1:
       return metrics
     hosts = allgather_json({"metrics": {k: _plain(v) for k, v in metrics.items()},
@@ -379,8 +391,8 @@ class Hosts:
         out[key] = sum(values)
       elif key.startswith(_MAXED_PREFIXES):
         out[key] = max(values)
-      elif key in _WEIGHTS:
-        weights = [h["counts"][_WEIGHTS[key]] for h in reporting]
+      elif key in _WEIGHTS or all(key in h["counts"] for h in reporting):
+        weights = [h["counts"][_WEIGHTS.get(key, key)] for h in reporting]
         out[key] = float(np.average(values, weights=weights)) if sum(weights) else 0.0
       else:
         out[key] = float(np.mean(values))

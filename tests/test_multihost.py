@@ -13,6 +13,7 @@ import pytest
 from models import qwen2
 from models.sampler import Sampler, SamplingParams
 from rlver_jax import metrics as metrics_lib
+from rl.rollout import Rollout
 from rlver_jax import multihost, tiny
 from sim_user import profiles
 from tests.test_multiprocess import _free_port
@@ -205,3 +206,25 @@ def test_step_metrics_combine_by_kind(monkeypatch):
   assert out["reward/mean"] == pytest.approx((3 * 0.5 + 0.1) / 4)  # weighted by samples
   assert out["emotion/final_mean"] == pytest.approx((4 * 40 + 10) / 5)  # by kept dialogues
   assert out["sim/retries"] == 2 and out["time/rollout"] == 5.0 and out["grad_norm"] == 1.5
+
+
+def test_rates_and_per_intention_emotions_weigh_each_hosts_share(monkeypatch):
+  hosts = object.__new__(multihost.Hosts)
+  hosts.count = 2
+  per_host = [
+      {"metrics": {"agent_turns/generated": 10, "agent_turns/cut_off": 5,
+                   "agent_turns/cut_off_rate": 50.0, "emotion/final/listen": 80.0,
+                   "time/rollout": 1.0},
+       "counts": {"samples": 3, "dialogues": 4, "kept_dialogues": 4,
+                  "emotion/final/listen": 3}},
+      {"metrics": {"agent_turns/generated": 30, "agent_turns/cut_off": 0,
+                   "agent_turns/cut_off_rate": 0.0, "emotion/final/listen": 40.0,
+                   "time/rollout": 1.0},
+       "counts": {"samples": 1, "dialogues": 4, "kept_dialogues": 1,
+                  "emotion/final/listen": 1}}]
+  monkeypatch.setattr(multihost, "allgather_json", lambda value: per_host)
+  rollout = Rollout(samples=[], dialogues=[], metrics={})
+  out = hosts.reduce_step_metrics({}, rollout)
+  assert out["agent_turns/generated"] == 40 and out["agent_turns/cut_off"] == 5
+  assert out["agent_turns/cut_off_rate"] == pytest.approx(100 * 5 / 40)  # not (50 + 0) / 2
+  assert out["emotion/final/listen"] == pytest.approx((3 * 80 + 40) / 4)
