@@ -13,6 +13,7 @@ import contextlib
 from typing import Iterable, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -110,6 +111,35 @@ def optimizer_state_shardings(tx, params, mesh: Mesh | None):
   like_params = lambda node: jax.tree.structure(node) == params_def
   return jax.tree.map(lambda node: params_shardings if like_params(node) else replicated,
                       jax.eval_shape(tx.init, params), is_leaf=like_params)
+
+
+def _as_jit_writes_it(sharding: NamedSharding) -> NamedSharding:
+  """The same placement without trailing None axes, as jit returns updated state.
+
+  P("fsdp", None) and P("fsdp") place alike but are different jit cache keys;
+  written the same way, the second update reuses the first one's trace.
+  """
+  spec = tuple(sharding.spec)
+  while spec and spec[-1] is None:
+    spec = spec[:-1]
+  return NamedSharding(sharding.mesh, PartitionSpec(*spec))
+
+
+def place_state(state: nnx.State, mesh: Mesh | None) -> nnx.State:
+  """Training weights on `mesh` by their logical axes, as a jitted update writes them back.
+
+  Unchanged without a mesh.
+  """
+  if mesh is None:
+    return state
+  return jax.device_put(state, jax.tree.map(_as_jit_writes_it, state_shardings(state, mesh)))
+
+
+def place_batch(batch, mesh: Mesh | None):
+  """Every array of a host batch (any pytree) on the device, sharded over its leading axis."""
+  if mesh is None:
+    return jax.tree.map(jnp.asarray, batch)
+  return jax.tree.map(lambda x: put_host_value(x, batch_sharding(np.shape(x), mesh)), batch)
 
 
 def to_host(array) -> np.ndarray:

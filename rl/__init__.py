@@ -1,4 +1,4 @@
-"""Multi-turn rollouts, advantages, losses and train steps."""
+"""Rollouts, the typed batch, advantages, losses, forward passes, updates and learners."""
 
 from rl.advantages import gae_advantages, grpo_advantages, masked_whiten
 from rl.losses import aggregate, entropy_from_logits, kl_penalty, policy_loss, value_loss

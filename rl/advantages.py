@@ -1,9 +1,13 @@
-"""Advantage estimators (pure, jittable)."""
+"""Advantage estimators (pure, jittable) and the host-side step that applies them to a batch."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from rl import losses
+from rl.batch import TrainBatch
 
 
 def gae_advantages(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
@@ -71,3 +75,34 @@ def grpo_advantages(scores, group_ids, normalize_std: bool = True, eps: float = 
   centred = scores - mean_n
   return centred / (std_n + eps) if normalize_std else centred
 
+
+
+def compute_advantages(batch: TrainBatch, cfg: losses.LossConfig) -> TrainBatch:
+  """`batch` with advantages and returns (host numpy in, numpy out).
+
+  GAE reads `old_values_bt` (and `ref_logprobs_bt` with a KL penalty in the
+  reward, which then replaces `token_rewards_bt`); GRPO reads scores and groups.
+  """
+  mask = jnp.asarray(batch.loss_mask_bt)
+  if cfg.advantage == "grpo":
+    seq_adv = grpo_advantages(jnp.asarray(batch.scores_b), batch.groups_b,
+                              normalize_std=cfg.grpo_normalize_std)
+    advantages = seq_adv[:, None] * mask
+    returns = jnp.zeros_like(advantages)
+  elif cfg.advantage == "gae":
+    rewards = jnp.asarray(batch.token_rewards_bt)
+    if cfg.kl_coef and cfg.kl_in_reward:
+      kl = losses.kl_penalty(jnp.asarray(batch.old_logprobs_bt),
+                             jnp.asarray(batch.ref_logprobs_bt), cfg.kl_estimator)
+      rewards = rewards - cfg.kl_coef * kl * mask
+    advantages, returns = gae_advantages(rewards, jnp.asarray(batch.old_values_bt), mask,
+                                         cfg.gamma, cfg.lam)
+    batch = batch.replace(token_rewards_bt=np.asarray(rewards))  # with any KL penalty
+  else:
+    raise ValueError(f"unknown advantage estimator {cfg.advantage!r}; expected gae or grpo")
+  if cfg.advantage == "gae" and cfg.whiten_advantages:
+    # GAE only. GRPO's advantages are already normalised within each group; whitening
+    # them again over the batch's tokens (verl and Tunix do not) subtracts a
+    # length-weighted mean that turns a short above-average dialogue's advantage negative.
+    advantages = masked_whiten(advantages, mask)
+  return batch.replace(advantages_bt=np.asarray(advantages), returns_bt=np.asarray(returns))

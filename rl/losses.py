@@ -12,16 +12,44 @@ The denominators default to this batch's; with gradient accumulation a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.errors import UserInputError
+
 TOKEN_MEAN = "token-mean"
 SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
 SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 AGGREGATIONS = (TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_MEAN)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  advantage: str = "gae"  # "gae" (PPO) or "grpo"
+  gamma: float = 1.0
+  lam: float = 1.0
+  whiten_advantages: bool = True  # GAE only: GRPO's group-normalised advantages never are
+  grpo_normalize_std: bool = True
+  clip_ratio: float = 0.2
+  clip_ratio_high: float | None = None
+  dual_clip: float | None = 3.0  # verl's clip_ratio_c; None turns it off
+  value_clip: float | None = 0.5
+  entropy_coef: float = 0.001
+  kl_coef: float = 0.0  # 0 skips the reference model entirely
+  kl_estimator: str = "k3"
+  kl_in_reward: bool = False  # True: per-token reward penalty; False: loss term
+  loss_agg: str = TOKEN_MEAN
+  temperature: float = 1.0  # logprobs of softmax(logits / T), as the sampler draws
+
+  def __post_init__(self):
+    if self.dual_clip is not None and self.dual_clip <= 1.0:
+      raise UserInputError(f"rl.dual_clip={self.dual_clip}: the dual clip caps losses at "
+                           "dual_clip * |advantage| and must be > 1 (verl's clip_ratio_c, 3.0), "
+                           "or None to turn it off")
 
 # exp(20) ~ 4.9e8 is finite in float32 (exp overflows past 88, and then 0 * inf makes NaN
 # gradients even where the loss never uses the value); verl clamps the same way.

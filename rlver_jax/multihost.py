@@ -47,13 +47,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 
 from models import partitioning
 from models.sampler import bucket_size
-from rl import train_step
+from rl import batch as batch_lib
 from rl.rollout import Rollout, Sample
 from rlver_jax import sharding
 from sim_user.profiles import Profile
 from sim_user.simulator import Dialogue
-
-_FILLER_GROUP = 10**6  # filler rows get groups 10**6 + global row: their own groups
 
 # How a step metric combines over hosts: sums, maxima, or means weighted by a count
 # (the weight's name); any other metric is the plain mean over hosts (e.g. the update
@@ -322,7 +320,8 @@ class Hosts:
 
   # Batches.
 
-  def collate(self, samples: Sequence[Sample], batch_multiple: int, pad_id: int) -> dict:
+  def collate(self, samples: Sequence[Sample], batch_multiple: int,
+              pad_id: int) -> batch_lib.TrainBatch:
     """The global training batch (numpy, identical on every host) from each host's samples.
 
     Host h's rows come h-th, padded to a common row count and width; filler rows
@@ -330,7 +329,7 @@ class Hosts:
     `batch_multiple`; width: the power-of-two bucket of the longest sample anywhere.
     """
     if self.count == 1:
-      return train_step.collate(samples, batch_multiple, pad_id)
+      return batch_lib.collate(samples, batch_multiple, pad_id)
     counts_lengths = multihost_utils.process_allgather(
         np.array([len(samples), max((len(s.tokens) for s in samples), default=1)], np.int32))
     counts_lengths = counts_lengths.reshape(self.count, 2)
@@ -339,15 +338,19 @@ class Hosts:
     width = bucket_size(int(counts_lengths[:, 1].max()), minimum=32)
     filler = Sample(tokens=[pad_id], loss_mask=[0], logprobs=[0.0], reward=0.0, group=0,
                     dialogue=-1)
-    local = train_step.collate(list(samples) or [filler], 1, pad_id)
+    local = batch_lib.collate(list(samples) or [filler], 1, pad_id)
     real = len(samples)
-    padded = {}
-    for name, array in local.items():
-      shape = (rows,) + tuple(width - (local["input_ids"].shape[1] - n) for n in array.shape[1:])
-      out = np.full(shape, pad_id if name == "input_ids" else 0, array.dtype)
+    local_width = local.tokens_bt.shape[1]
+
+    def widen(array, fill):  # to `rows` rows and the agreed width (width - 1 on the target grid)
+      shape = (rows,) + tuple(width - (local_width - n) for n in array.shape[1:])
+      out = np.full(shape, fill, array.dtype)
       out[(slice(0, real),) + tuple(slice(0, n) for n in array.shape[1:])] = array[:real]
-      padded[name] = out
-    padded["groups"][real:] = _FILLER_GROUP + self.index * rows + np.arange(real, rows)
+      return out
+
+    padded = jax.tree.map(lambda array: widen(array, 0), local).replace(
+        tokens_bt=widen(local.tokens_bt, pad_id))
+    padded.groups_b[real:] = batch_lib.FILLER_GROUP + self.index * rows + np.arange(real, rows)
     return multihost_utils.process_allgather(padded, tiled=True)
 
   # Metrics.

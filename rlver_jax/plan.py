@@ -53,7 +53,9 @@ from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 from models import partitioning, qwen2  # noqa: E402
 from models import sampler as sampler_lib  # noqa: E402
 from models.errors import UserInputError  # noqa: E402
-from rl import train_step  # noqa: E402
+from rl import forward, learner, updates  # noqa: E402
+from rl.batch import TrainBatch  # noqa: E402
+from rl.losses import LossConfig  # noqa: E402
 from rlver_jax import sharding  # noqa: E402
 from rlver_jax.generate import parse_mesh  # noqa: E402
 
@@ -77,16 +79,16 @@ def _rows(mesh, shape, dtype):
   return jax.ShapeDtypeStruct(shape, dtype, sharding=partitioning.batch_sharding(shape, mesh))
 
 
-def _batch(mesh, batch: int, seq_len: int, *, targets: bool, with_values: bool):
+def _batch(mesh, batch: int, seq_len: int, *, targets: bool, with_values: bool) -> TrainBatch:
+  """An abstract sharded TrainBatch: the model inputs, with `targets` what an update reads."""
   spec = functools.partial(_rows, mesh)
-  out = {"input_ids": spec((batch, seq_len), jnp.int32),
-         "attention_mask": spec((batch, seq_len), jnp.bool_)}
+  out = TrainBatch(tokens_bt=spec((batch, seq_len), jnp.int32),
+                   attention_mask_bt=spec((batch, seq_len), jnp.bool_))
   if targets:
-    shape = (batch, seq_len - 1)
-    out.update(loss_mask=spec(shape, jnp.float32), old_logprobs=spec(shape, jnp.float32),
-               advantages=spec(shape, jnp.float32))
+    target = lambda: spec((batch, seq_len - 1), jnp.float32)
+    out = out.replace(loss_mask_bt=target(), old_logprobs_bt=target(), advantages_bt=target())
     if with_values:
-      out.update(returns=spec(shape, jnp.float32), old_values=spec(shape, jnp.float32))
+      out = out.replace(returns_bt=target(), old_values_bt=target())
   return out
 
 
@@ -129,7 +131,7 @@ class _Model:
     self.param_shardings = partitioning.state_shardings(state, mesh)
     self.params = _abstract(state, self.param_shardings)
     self.num_params = sum(x.size for x in jax.tree.leaves(state))
-    self.tx = train_step.make_optimizer(train_step.OptimConfig())
+    self.tx = learner.make_optimizer(learner.OptimConfig())
     abstract_opt = jax.eval_shape(self.tx.init, self.params)
     self.opt = _abstract(abstract_opt, _opt_shardings(self.tx, abstract_opt,
                                                       self.param_shardings, mesh))
@@ -188,7 +190,7 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
   remat = qwen2.remat_policy_name(remat)
   cache_len = cache_len or seq_len
   prefill_len = prefill_len or cache_len // 2
-  loss_cfg = train_step.LossConfig()
+  loss_cfg = LossConfig()
   result = {"model": dataclasses.asdict(config), "mesh": dict(mesh.shape), "batch": batch,
             "seq_len": seq_len, "cache_len": cache_len, "prefill_len": prefill_len,
             "dtype": dtype.name, "param_dtype": param_dtype.name, "remat": remat,
@@ -197,13 +199,13 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
   programs = {}
 
   def update(model, loss_fn, with_values):
-    step = jax.jit(functools.partial(train_step.update, loss_fn, model.graphdef, model.tx,
+    step = jax.jit(functools.partial(updates.update, loss_fn, model.graphdef, model.tx,
                                      loss_cfg), donate_argnums=(0, 1))
     args = (model.params, model.opt,
             _batch(mesh, batch, seq_len, targets=True, with_values=with_values))
     return _compile(step, args, mesh, (model.params, model.opt))
 
-  def forward(model, fn):
+  def forward_pass(model, fn):
     step = jax.jit(functools.partial(fn, model.graphdef))
     args = (model.params, _batch(mesh, batch, seq_len, targets=False, with_values=False))
     return _compile(step, args, mesh, model.params)
@@ -212,16 +214,16 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
   result["parameters"] = policy.num_params
   result["unsharded_weights_gib"] = policy.num_params * param_dtype.itemsize / GIB
   resident = [(policy.params, policy.opt)]
-  programs["policy_update"] = update(policy, train_step.policy_loss, False)
+  programs["policy_update"] = update(policy, updates.policy_loss, False)
   if critic:
     value_model = build(qwen2.Qwen2Value)
     resident.append((value_model.params, value_model.opt))
-    programs["critic_values"] = forward(value_model, train_step.critic_values)
-    programs["critic_update"] = update(value_model, train_step.critic_loss, True)
+    programs["critic_values"] = forward_pass(value_model, forward.critic_values)
+    programs["critic_update"] = update(value_model, updates.critic_loss, True)
   if reference:
     resident.append(policy.params)  # a frozen copy of the initial policy
-    programs["reference_logprobs"] = forward(policy, functools.partial(
-        train_step.sequence_logprobs, temperature=1.0))
+    programs["reference_logprobs"] = forward_pass(policy, functools.partial(
+        forward.sequence_logprobs, temperature=1.0))
   if sampler:
     programs.update(_sampler_programs(policy, config, mesh, batch, cache_len, prefill_len,
                                       dtype))

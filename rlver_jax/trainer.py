@@ -31,7 +31,9 @@ from models.errors import RunStopped
 from models.sampler import Sampler
 from rl import rollout as rollout_lib
 from rl import system_prompts
-from rl import train_step
+from rl import advantages as advantages_lib
+from rl import batch as batch_lib
+from rl import forward, learner, losses, updates
 from rlver_jax import config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
@@ -117,9 +119,9 @@ def resolve_policy_checkpoint(config) -> str:
   return config.policy.checkpoint
 
 
-def loss_config(config) -> train_step.LossConfig:
+def loss_config(config) -> losses.LossConfig:
   rl = config.rl  # checked by config_checks.check_train_config
-  return train_step.LossConfig(
+  return losses.LossConfig(
       advantage="gae" if rl.algorithm == "ppo" else "grpo", gamma=rl.gamma, lam=rl.lam,
       whiten_advantages=rl.whiten_advantages, grpo_normalize_std=rl.grpo_normalize_std,
       clip_ratio=rl.clip_ratio, clip_ratio_high=rl.clip_ratio_high, dual_clip=rl.dual_clip,
@@ -128,32 +130,11 @@ def loss_config(config) -> train_step.LossConfig:
       temperature=config.rollout.temperature)
 
 
-def optim_config(config, lr: float) -> train_step.OptimConfig:
+def optim_config(config, lr: float) -> learner.OptimConfig:
   o = config.optim
-  return train_step.OptimConfig(
+  return learner.OptimConfig(
       lr=lr, warmup_steps=o.warmup_steps, schedule=o.schedule, total_steps=config.steps,
       weight_decay=o.weight_decay, grad_clip=o.grad_clip)
-
-
-def _split(batch: dict, parts: int) -> list[dict]:
-  rows = len(batch["input_ids"])
-  if rows % parts:
-    raise ValueError(f"{rows} rows do not split into {parts} mini/micro-batches")
-  size = rows // parts
-  return [{k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(parts)]
-
-
-def _chunks(batch: dict, size: int, row_multiple: int) -> list[dict]:
-  """Consecutive mini-batches of `size` rows (the last may have fewer), as verl's split.
-
-  Each is padded with empty rows (loss mask 0) to a multiple of `row_multiple`.
-  """
-  out = []
-  for start in range(0, len(batch["input_ids"]), size):
-    chunk = {k: v[start:start + size] for k, v in batch.items()}
-    pad = -len(chunk["input_ids"]) % row_multiple
-    out.append({k: np.pad(v, [(0, pad)] + [(0, 0)] * (v.ndim - 1)) for k, v in chunk.items()})
-  return out
 
 
 class Trainer:
@@ -196,19 +177,19 @@ class Trainer:
                 attention=config.policy.attention)
     policy = qwen2.from_pretrained(policy_path, **load)
     self.policy_optim = optim_config(config, config.optim.actor_lr)
-    self.policy = train_step.Learner(policy, train_step.make_optimizer(self.policy_optim),
-                                     train_step.policy_loss, self.loss_cfg, self.mesh)
+    self.policy = learner.Learner(policy, learner.make_optimizer(self.policy_optim),
+                                  updates.policy_loss, self.loss_cfg, self.mesh)
     self.critic = None
     if config.rl.algorithm == "ppo":
       critic = qwen2.value_model_from_pretrained(config.critic.checkpoint or policy_path, **load)
       self.critic_optim = optim_config(config, config.optim.critic_lr)
-      self.critic = train_step.Learner(critic, train_step.make_optimizer(self.critic_optim),
-                                       train_step.critic_loss, self.loss_cfg, self.mesh,
-                                       metric_prefix="critic_")
+      self.critic = learner.Learner(critic, learner.make_optimizer(self.critic_optim),
+                                    updates.critic_loss, self.loss_cfg, self.mesh,
+                                    metric_prefix="critic_")
     self.reference = None
     if config.rl.kl_coef:
       reference = qwen2.from_pretrained(policy_path, **{**load, "remat": False})
-      self.reference = train_step.Learner(reference, mesh=self.mesh)
+      self.reference = learner.Learner(reference, mesh=self.mesh)
     self.sampler = Sampler(self.hosts.local_model(policy), stop_token_ids=policy_lib.stop_token_ids(
                                self.tokenizer, eos_token_id=policy.config.eos_token_id),
                            pad_id=self.tokenizer.pad_token_id or 0, mesh=self.hosts.local_mesh)
@@ -270,7 +251,7 @@ class Trainer:
 
   # One step.
 
-  def train_step(self) -> dict:
+  def run_step(self) -> dict:
     config = self.config
     step = self.step + 1
     # batch_size counts profiles (verl's batch size counts prompts); each is sampled n times.
@@ -297,32 +278,31 @@ class Trainer:
     start = time.perf_counter()
     batch = self.hosts.collate(rollout.samples, self.batch_multiple,
                                pad_id=self.tokenizer.pad_token_id or 0)
-    micro_rows = len(batch["input_ids"]) // (config.optim.num_minibatches
-                                             * config.optim.grad_accum)
+    micro_rows = batch.rows // (config.optim.num_minibatches * config.optim.grad_accum)
     if self.critic is not None:
-      batch["old_values"] = self.critic.apply_in_micro_batches(train_step.critic_values, batch,
-                                                               micro_rows)
+      batch = batch.replace(old_values_bt=self.critic.apply_in_micro_batches(
+          forward.critic_values, batch, micro_rows))
     if self.reference is not None:
-      batch["ref_logprobs"] = self.reference.apply_in_micro_batches(
-          train_step.sequence_logprobs, batch, micro_rows, temperature=self.loss_cfg.temperature)
-    batch = train_step.compute_advantages(batch, self.loss_cfg)
+      batch = batch.replace(ref_logprobs_bt=self.reference.apply_in_micro_batches(
+          forward.sequence_logprobs, batch, micro_rows, temperature=self.loss_cfg.temperature))
+    batch = advantages_lib.compute_advantages(batch, self.loss_cfg)
     update_metrics = []
-    arrays = {k: v for k, v in batch.items() if k not in ("scores", "groups", "token_rewards")}
+    update_batch = batch.for_update()
     if config.rollout.thinking:
       # Every agent turn is a sample, many per dialogue: mini-batches hold the step's
       # dialogue count of samples (over num_minibatches), as the release's
       # ppo_mini_batch_size, so a step makes as many updates as the release's.
-      real_rows = {k: v[:len(rollout.samples)] for k, v in arrays.items()}
+      real_rows = update_batch.select_rows(0, len(rollout.samples))
       dialogues = config.batch_size * config.rollout.samples_per_profile
-      minibatches = _chunks(real_rows, -(-dialogues // config.optim.num_minibatches),
-                            self.micro_multiple)
+      minibatches = batch_lib.chunks(real_rows, -(-dialogues // config.optim.num_minibatches),
+                                     self.micro_multiple)
     else:
-      minibatches = _split(arrays, config.optim.num_minibatches)
-    policy_lr = train_step.learning_rate(self.policy_optim, step - 1)
-    critic_lr = train_step.learning_rate(self.critic_optim, step - 1) if self.critic else None
+      minibatches = batch_lib.split(update_batch, config.optim.num_minibatches)
+    policy_lr = learner.learning_rate(self.policy_optim, step - 1)
+    critic_lr = learner.learning_rate(self.critic_optim, step - 1) if self.critic else None
     for _ in range(config.optim.ppo_epochs):
       for minibatch in minibatches:
-        micro_batches = _split(minibatch, config.optim.grad_accum)
+        micro_batches = batch_lib.split(minibatch, config.optim.grad_accum)
         m = self.policy.update(micro_batches, learning_rate=policy_lr)
         if self.critic is not None:
           m.update(self.critic.update(micro_batches, learning_rate=critic_lr))
@@ -371,7 +351,7 @@ class Trainer:
     try:
       while self.step < config.steps:
         step_start = time.perf_counter()
-        step_metrics = self.train_step()
+        step_metrics = self.run_step()
         step_metrics["time/step"] = time.perf_counter() - step_start
         self.metrics.write(self.step, step_metrics)
         if self._checkpoint_due():

@@ -29,7 +29,10 @@ from models import qwen2
 from models.chat import ChatFormatter
 from models.errors import UserInputError
 from models.sampler import LENGTH, STOP, SampleOutput
-from rl import system_prompts, train_step
+from rl import learner as learner_lib
+from rl import system_prompts, updates
+from rl.batch import TrainBatch
+from rl.losses import LossConfig
 from rlver_jax import config_checks
 from rlver_jax import eval as evaluator
 from rlver_jax import metrics as metrics_lib
@@ -226,19 +229,19 @@ def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(checkpoi
   mesh = sharding.make_mesh(dict(ppo.get_config().mesh))  # fsdp over all 8 devices
   model = qwen2.from_pretrained(checkpoint, dtype="bfloat16", param_dtype="float32", mesh=mesh,
                                 remat=True)
-  learner = train_step.Learner(model, train_step.make_optimizer(train_step.OptimConfig()),
-                               train_step.policy_loss, train_step.LossConfig(), mesh)
+  learner = learner_lib.Learner(model, learner_lib.make_optimizer(learner_lib.OptimConfig()),
+                                updates.policy_loss, LossConfig(), mesh)
   embed = learner.params["backbone"]["embed"].value
   assert not embed.sharding.is_fully_replicated
   moments = [x for x in jax.tree.leaves(learner.opt_state) if x.shape == embed.shape]
   assert moments and all(m.sharding.is_equivalent_to(embed.sharding, embed.ndim)
                          for m in moments)
   rows, width = 8, 32
-  batch = {"input_ids": np.ones((rows, width), np.int32),
-           "attention_mask": np.ones((rows, width), np.bool_),
-           "loss_mask": np.ones((rows, width - 1), np.float32),
-           "old_logprobs": np.zeros((rows, width - 1), np.float32),
-           "advantages": np.ones((rows, width - 1), np.float32)}
+  batch = TrainBatch(tokens_bt=np.ones((rows, width), np.int32),
+                     attention_mask_bt=np.ones((rows, width), np.bool_),
+                     loss_mask_bt=np.ones((rows, width - 1), np.float32),
+                     old_logprobs_bt=np.zeros((rows, width - 1), np.float32),
+                     advantages_bt=np.ones((rows, width - 1), np.float32))
   for _ in range(2):
     learner.update([batch], learning_rate=1e-3)
   assert learner._update._cache_size() == 1  # the second update reuses the first's compile

@@ -151,25 +151,26 @@ def test_value_pass_runs_in_micro_batches_of_the_update_size():
   import jax.numpy as jnp
   import numpy as np
   from flax import nnx
-  from rl import train_step
+  from rl import forward, learner as learner_lib
+  from rl.batch import TrainBatch
   config = qwen2.Qwen2Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=2,
                              num_heads=2, num_kv_heads=1)
   critic = qwen2.Qwen2Value(config, rngs=nnx.Rngs(0))
   critic.value_head.set_value(jnp.ones((32,), jnp.float32))
-  learner = train_step.Learner(critic)
+  learner = learner_lib.Learner(critic)
   rng = np.random.RandomState(0)
-  batch = {"input_ids": rng.randint(0, 64, (8, 12)).astype(np.int32),
-           "attention_mask": np.arange(12)[None] < rng.randint(3, 13, (8, 1)),
-           "scores": np.zeros(8, np.float32)}
+  batch = TrainBatch(tokens_bt=rng.randint(0, 64, (8, 12)).astype(np.int32),
+                     attention_mask_bt=np.arange(12)[None] < rng.randint(3, 13, (8, 1)),
+                     scores_b=np.zeros(8, np.float32))
   seen_rows = []
 
   def values(graphdef, params, batch):
-    seen_rows.append(batch["input_ids"].shape[0])
-    return train_step.critic_values(graphdef, params, batch)
+    seen_rows.append(batch.tokens_bt.shape[0])
+    return forward.critic_values(graphdef, params, batch)
 
   micro = learner.apply_in_micro_batches(values, batch, rows=2)
   assert seen_rows == [2]  # one program, compiled for the micro-batch
-  whole = np.asarray(learner.apply(train_step.critic_values, batch))
+  whole = np.asarray(learner.apply(forward.critic_values, batch))
   assert micro.shape == (8, 11)
   np.testing.assert_allclose(micro, whole, atol=1e-5)
 

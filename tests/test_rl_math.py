@@ -4,8 +4,10 @@ import numpy as np
 import pytest
 
 import rl
-from rl import losses
-from rl import train_step
+from rl import advantages, forward, learner, losses, updates
+from rl import batch as batch_lib
+from rl.batch import TrainBatch
+from rl.losses import LossConfig
 from models.errors import UserInputError
 from rl.rollout import Sample
 
@@ -86,25 +88,25 @@ def test_grpo_advantages_are_not_whitened_across_the_batch():
   # which turned group 1's above-average second dialogue negative.
   samples = [_sample(40, 1.0, 0), _sample(2, 0.0, 0), _sample(2, 0.6, 1), _sample(2, 0.5, 1),
              _sample(2, 0.1, 1)]
-  batch = train_step.collate(samples)
-  out = train_step.compute_advantages(batch, train_step.LossConfig(advantage="grpo"))
-  assert train_step.LossConfig().whiten_advantages  # on by default, for GAE only
+  batch = batch_lib.collate(samples)
+  out = advantages.compute_advantages(batch, LossConfig(advantage="grpo"))
+  assert LossConfig().whiten_advantages  # on by default, for GAE only
   expected = np.zeros(len(samples))  # verl's compute_grpo_outcome_advantage
   for group in (0, 1):
     scores = np.array([s.reward for s in samples if s.group == group])
     rows = [i for i, s in enumerate(samples) if s.group == group]
     expected[rows] = (scores - scores.mean()) / (scores.std(ddof=1) + 1e-6)
-  assert expected[3] > 0 and np.all(out["advantages"][3][batch["loss_mask"][3] > 0] > 0)
-  np.testing.assert_allclose(out["advantages"], expected[:, None] * batch["loss_mask"], atol=1e-5)
+  assert expected[3] > 0 and np.all(out.advantages_bt[3][batch.loss_mask_bt[3] > 0] > 0)
+  np.testing.assert_allclose(out.advantages_bt, expected[:, None] * batch.loss_mask_bt, atol=1e-5)
 
 
 def test_gae_advantages_are_whitened():
   samples = [_sample(5, 1.0, 0), _sample(3, 0.0, 1)]
-  batch = train_step.collate(samples)
-  batch["old_values"] = np.full(batch["loss_mask"].shape, 0.25, np.float32)
-  out = train_step.compute_advantages(batch, train_step.LossConfig())
-  raw, _ = rl.gae_advantages(batch["token_rewards"], batch["old_values"], batch["loss_mask"])
-  np.testing.assert_allclose(out["advantages"], rl.masked_whiten(raw, batch["loss_mask"]),
+  batch = batch_lib.collate(samples)
+  batch = batch.replace(old_values_bt=np.full(batch.loss_mask_bt.shape, 0.25, np.float32))
+  out = advantages.compute_advantages(batch, LossConfig())
+  raw, _ = rl.gae_advantages(batch.token_rewards_bt, batch.old_values_bt, batch.loss_mask_bt)
+  np.testing.assert_allclose(out.advantages_bt, rl.masked_whiten(raw, batch.loss_mask_bt),
                              atol=1e-5)
 
 
@@ -177,9 +179,9 @@ def test_dual_clip_is_on_by_default_at_3_and_can_be_turned_off():
   capped, capped_metrics = rl.policy_loss(new, old, adv, mask)
   np.testing.assert_allclose([plain, capped], [np.exp(3.0), 3.0], rtol=1e-5)
   assert "pg_clipfrac_lower" not in plain_metrics and capped_metrics["pg_clipfrac_lower"] == 1.0
-  assert train_step.LossConfig().dual_clip == 3.0
+  assert LossConfig().dual_clip == 3.0
   with pytest.raises(UserInputError, match="rl.dual_clip"):
-    train_step.LossConfig(dual_clip=1.0)
+    LossConfig(dual_clip=1.0)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
@@ -265,12 +267,12 @@ def test_collate_places_masks_and_rewards_on_the_target_grid():
                   loss_mask=[0, 0, 0, 1, 1, 0, 0, 1, 1],
                   logprobs=[0, 0, 0, -0.5, -0.6, 0, 0, -0.7, -0.8], reward=0.75, group=0,
                   dialogue=0, token_rewards=[(8, 0.75)])
-  batch = train_step.collate([sample], batch_multiple=2)
-  assert batch["input_ids"].shape == (2, 32)
-  np.testing.assert_array_equal(batch["loss_mask"][0, :8], [0, 0, 1, 1, 0, 0, 1, 1])
-  np.testing.assert_allclose(batch["old_logprobs"][0, :8], [0, 0, -0.5, -0.6, 0, 0, -0.7, -0.8])
-  assert batch["token_rewards"][0, 7] == 0.75 and batch["token_rewards"].sum() == 0.75
-  assert batch["loss_mask"][1].sum() == 0  # filler row
+  batch = batch_lib.collate([sample], batch_multiple=2)
+  assert batch.tokens_bt.shape == (2, 32)
+  np.testing.assert_array_equal(batch.loss_mask_bt[0, :8], [0, 0, 1, 1, 0, 0, 1, 1])
+  np.testing.assert_allclose(batch.old_logprobs_bt[0, :8], [0, 0, -0.5, -0.6, 0, 0, -0.7, -0.8])
+  assert batch.token_rewards_bt[0, 7] == 0.75 and batch.token_rewards_bt.sum() == 0.75
+  assert batch.loss_mask_bt[1].sum() == 0  # filler row
 
 
 def test_a_non_finite_update_leaves_params_and_optimizer_state_untouched():
@@ -279,12 +281,12 @@ def test_a_non_finite_update_leaves_params_and_optimizer_state_untouched():
   tx = optax.adamw(0.1)
   params = {"w": jnp.ones(3)}
   opt_state = tx.init(params)
-  new_params, new_opt, grad_norm, finite = train_step.apply_gradients(
+  new_params, new_opt, grad_norm, finite = updates.apply_gradients(
       tx, params, opt_state, {"w": jnp.array([1.0, jnp.nan, 0.0])}, jnp.float32(1.0))
   assert not bool(finite) and not np.isfinite(grad_norm)
   np.testing.assert_array_equal(new_params["w"], params["w"])
   assert int(new_opt[0].count) == 0
-  good_params, _, _, ok = train_step.apply_gradients(
+  good_params, _, _, ok = updates.apply_gradients(
       tx, params, opt_state, {"w": jnp.ones(3)}, jnp.float32(1.0))
   assert bool(ok) and not np.allclose(good_params["w"], 1.0)
 
@@ -301,9 +303,9 @@ def test_trainer_stops_after_too_many_skipped_updates(monkeypatch, tmp_path):
     return {**metrics, "finite": np.float32(0.0)}  # as a NaN loss reports it
 
   monkeypatch.setattr(run.policy, "update", nan_update)
-  run.train_step()  # one skipped update is tolerated
+  run.run_step()  # one skipped update is tolerated
   with pytest.raises(trainer.TrainingError, match="2 non-finite updates skipped"):
-    run.train_step()
+    run.run_step()
 
 
 @pytest.mark.parametrize("chunk", [4, 7, 64])
@@ -316,22 +318,22 @@ def test_sliced_logprobs_and_entropy_equal_the_full_softmax(chunk):
                              num_heads=4, num_kv_heads=2)
   model = qwen2.init_random(config, seed=0)
   rng = np.random.RandomState(5)
-  batch = {"input_ids": jnp.asarray(rng.randint(0, 50, (3, 13)), jnp.int32),
-           "attention_mask": jnp.ones((3, 13), bool)}
+  batch = TrainBatch(tokens_bt=jnp.asarray(rng.randint(0, 50, (3, 13)), jnp.int32),
+                     attention_mask_bt=jnp.ones((3, 13), bool))
   graphdef, params = nnx.split(model)
-  logprobs, entropy = train_step.token_logprobs_and_entropy(graphdef, params, batch, 0.7, chunk)
-  logits = np.asarray(model(batch["input_ids"]))[:, :-1] / 0.7
+  logprobs, entropy = forward.token_logprobs_and_entropy(graphdef, params, batch, 0.7, chunk)
+  logits = np.asarray(model(batch.tokens_bt))[:, :-1] / 0.7
   full = np.asarray(jax.nn.log_softmax(logits, axis=-1))
-  targets = np.asarray(batch["input_ids"])[:, 1:, None]
+  targets = np.asarray(batch.tokens_bt)[:, 1:, None]
   np.testing.assert_allclose(logprobs, np.take_along_axis(full, targets, -1)[..., 0], atol=1e-5)
   np.testing.assert_allclose(entropy, -(np.exp(full) * full).sum(-1), atol=1e-4)
 
   def loss(params, sliced):
     if sliced:
-      lp, _ = train_step.token_logprobs_and_entropy(graphdef, params, batch, 0.7, chunk)
+      lp, _ = forward.token_logprobs_and_entropy(graphdef, params, batch, 0.7, chunk)
     else:
-      out = nnx.merge(graphdef, params)(batch["input_ids"])[:, :-1] / 0.7
-      lp = losses.token_logprobs(out, batch["input_ids"][:, 1:])
+      out = nnx.merge(graphdef, params)(batch.tokens_bt)[:, :-1] / 0.7
+      lp = losses.token_logprobs(out, batch.tokens_bt[:, 1:])
     return lp.sum()
 
   g_sliced = jax.grad(loss)(params, True)
@@ -353,13 +355,14 @@ def _uneven_batch(seed=7):
   mask = np.zeros((rows, width - 1), np.float32)
   mask[:2, 4:7] = 1
   mask[2:5, 1:31] = 1
-  return {"input_ids": rng.randint(0, 50, (rows, width)).astype(np.int32),
-          "attention_mask": np.ones((rows, width), bool), "loss_mask": mask,
-          "old_logprobs": (-4.0 + rng.randn(rows, width - 1)).astype(np.float32),
-          "advantages": (rng.randn(rows, width - 1) * mask).astype(np.float32),
-          "returns": (rng.randn(rows, width - 1) + 4.0 * (np.arange(rows) < 2)[:, None]).astype(
-              np.float32),  # the short rows' values are far off
-          "old_values": (0.3 * rng.randn(rows, width - 1)).astype(np.float32)}
+  return TrainBatch(
+      tokens_bt=rng.randint(0, 50, (rows, width)).astype(np.int32),
+      attention_mask_bt=np.ones((rows, width), bool), loss_mask_bt=mask,
+      old_logprobs_bt=(-4.0 + rng.randn(rows, width - 1)).astype(np.float32),
+      advantages_bt=(rng.randn(rows, width - 1) * mask).astype(np.float32),
+      returns_bt=(rng.randn(rows, width - 1) + 4.0 * (np.arange(rows) < 2)[:, None]).astype(
+          np.float32),  # the short rows' values are far off
+      old_values_bt=(0.3 * rng.randn(rows, width - 1)).astype(np.float32))
 
 
 def _learner(loss_fn, cfg, tx):
@@ -367,13 +370,13 @@ def _learner(loss_fn, cfg, tx):
   import jax.numpy as jnp
   from flax import nnx
   from models import qwen2
-  if loss_fn is train_step.critic_loss:
+  if loss_fn is updates.critic_loss:
     model = qwen2.Qwen2Value(_tiny_config(), rngs=nnx.Rngs(0))
     model.value_head.set_value(jax.random.normal(jax.random.key(1), (32,), jnp.float32))
   else:
     model = qwen2.init_random(_tiny_config(), seed=0)
-  prefix = "critic_" if loss_fn is train_step.critic_loss else ""
-  return train_step.Learner(model, tx, loss_fn, cfg, metric_prefix=prefix)
+  prefix = "critic_" if loss_fn is updates.critic_loss else ""
+  return learner.Learner(model, tx, loss_fn, cfg, metric_prefix=prefix)
 
 
 @pytest.mark.parametrize("loss_name,mode", [
@@ -382,11 +385,11 @@ def _learner(loss_fn, cfg, tx):
 def test_accumulated_micro_batches_update_like_one_big_batch(loss_name, mode):
   import jax
   import optax
-  loss_fn = getattr(train_step, loss_name)
-  cfg = train_step.LossConfig(loss_agg=mode, entropy_coef=0.01)
+  loss_fn = getattr(updates, loss_name)
+  cfg = LossConfig(loss_agg=mode, entropy_coef=0.01)
   batch = _uneven_batch()
-  micro_batches = [{k: v[i:i + 2] for k, v in batch.items()} for i in (0, 2, 4)]
-  assert [m["loss_mask"].sum() for m in micro_batches] == [6, 60, 30]
+  micro_batches = [batch.select_rows(i, i + 2) for i in (0, 2, 4)]
+  assert [m.loss_mask_bt.sum() for m in micro_batches] == [6, 60, 30]
   tx = optax.sgd(0.5)  # plain SGD: the update is the gradient itself
   whole = _learner(loss_fn, cfg, tx)
   # The old accumulation averaged the micro-batches' own means: another objective.
@@ -402,41 +405,41 @@ def test_accumulated_micro_batches_update_like_one_big_batch(loss_name, mode):
   for key, value in whole_metrics.items():
     np.testing.assert_allclose(accumulated_metrics[key], value, rtol=1e-4, atol=1e-6,
                                err_msg=key)
-  prefix = "critic_" if loss_fn is train_step.critic_loss else ""
+  prefix = "critic_" if loss_fn is updates.critic_loss else ""
   assert accumulated_metrics[prefix + "finite"] == 1.0 and accumulated_metrics[
       prefix + "grad_norm"] > 0
 
 
 def test_learning_rate_follows_training_steps_and_the_learner_sets_it():
   import jax
-  cfg = train_step.OptimConfig(lr=1.0, warmup_steps=4, total_steps=10)
-  assert [train_step.learning_rate(cfg, s) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
-  cosine = train_step.OptimConfig(lr=1.0, warmup_steps=2, total_steps=10, schedule="cosine")
-  assert train_step.learning_rate(cosine, 2) == 1.0 > train_step.learning_rate(cosine, 6) > 0
+  cfg = learner.OptimConfig(lr=1.0, warmup_steps=4, total_steps=10)
+  assert [learner.learning_rate(cfg, s) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+  cosine = learner.OptimConfig(lr=1.0, warmup_steps=2, total_steps=10, schedule="cosine")
+  assert learner.learning_rate(cosine, 2) == 1.0 > learner.learning_rate(cosine, 6) > 0
   with pytest.raises(ValueError, match="linear"):
-    train_step.make_optimizer(train_step.OptimConfig(schedule="linear"))
+    learner.make_optimizer(learner.OptimConfig(schedule="linear"))
   batch = _uneven_batch()
-  learner = _learner(train_step.policy_loss, train_step.LossConfig(),
-                     train_step.make_optimizer(train_step.OptimConfig(lr=0.1, weight_decay=0.1)))
-  before = jax.tree.map(np.asarray, learner.params)
-  learner.update([batch], learning_rate=0.0)  # warm-up's first step: nothing moves
-  for a, b in zip(jax.tree.leaves(learner.params), jax.tree.leaves(before)):
+  policy = _learner(updates.policy_loss, LossConfig(),
+                    learner.make_optimizer(learner.OptimConfig(lr=0.1, weight_decay=0.1)))
+  before = jax.tree.map(np.asarray, policy.params)
+  policy.update([batch], learning_rate=0.0)  # warm-up's first step: nothing moves
+  for a, b in zip(jax.tree.leaves(policy.params), jax.tree.leaves(before)):
     np.testing.assert_array_equal(a, b)
-  learner.update([batch], learning_rate=0.1)
-  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(learner.params),
+  policy.update([batch], learning_rate=0.1)
+  assert any(not np.allclose(a, b) for a, b in zip(jax.tree.leaves(policy.params),
                                                    jax.tree.leaves(before)))
 
 
 def test_thinking_mini_batches_hold_a_steps_dialogue_count_of_samples():
-  from rlver_jax import trainer
-  batch = {"input_ids": np.arange(10)[:, None] + np.zeros((10, 3), int),
-           "loss_mask": np.ones((10, 2), np.float32)}
-  chunks = trainer._chunks(batch, 4, row_multiple=2)
-  assert [len(c["input_ids"]) for c in chunks] == [4, 4, 2]
-  chunks = trainer._chunks(batch, 4, row_multiple=4)
-  assert [len(c["input_ids"]) for c in chunks] == [4, 4, 4]
-  np.testing.assert_array_equal(chunks[2]["input_ids"][:, 0], [8, 9, 0, 0])
-  assert chunks[2]["loss_mask"][2:].sum() == 0  # padding rows carry no loss
+  batch = TrainBatch(tokens_bt=np.arange(10)[:, None] + np.zeros((10, 3), int),
+                     attention_mask_bt=np.ones((10, 3), bool),
+                     loss_mask_bt=np.ones((10, 2), np.float32))
+  chunks = batch_lib.chunks(batch, 4, row_multiple=2)
+  assert [c.rows for c in chunks] == [4, 4, 2]
+  chunks = batch_lib.chunks(batch, 4, row_multiple=4)
+  assert [c.rows for c in chunks] == [4, 4, 4]
+  np.testing.assert_array_equal(chunks[2].tokens_bt[:, 0], [8, 9, 0, 0])
+  assert chunks[2].loss_mask_bt[2:].sum() == 0  # padding rows carry no loss
 
 
 def test_a_thinking_step_makes_one_update_per_batch_size_samples(monkeypatch, tmp_path):
@@ -448,12 +451,12 @@ def test_a_thinking_step_makes_one_update_per_batch_size_samples(monkeypatch, tm
   real_update = run.policy.update
 
   def counting_update(micro_batches, **kwargs):
-    calls.append((sum(int((m["loss_mask"].sum(1) > 0).sum()) for m in micro_batches),
+    calls.append((sum(int((m.loss_mask_bt.sum(1) > 0).sum()) for m in micro_batches),
                   kwargs["learning_rate"]))
     return real_update(micro_batches, **kwargs)
 
   monkeypatch.setattr(run.policy, "update", counting_update)
-  metrics = run.train_step()
+  metrics = run.run_step()
   samples = metrics["samples"]
   assert samples > config.batch_size  # one sample per agent turn
   assert metrics["updates"] == len(calls) == -(-samples // config.batch_size)
