@@ -13,6 +13,7 @@ VARIANTS = ("",)  # no variants: get_config takes no argument
 
 def get_config() -> ml_collections.ConfigDict:
   c = common.inference_config()
+  c.policy.param_dtype = ""  # weights in the compute dtype: no optimizer, half the memory
 
   c.retention = ml_collections.ConfigDict()
   c.retention.task = "math"  # math | ifeval

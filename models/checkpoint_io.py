@@ -24,7 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from models import partitioning
 from models import safetensors_io
@@ -63,7 +62,7 @@ def read_hf_config(path: str) -> dict:
 
 def load(path: str, *, build_model: Callable[[], nnx.Module], mappings: Sequence[TensorMapping],
          ignorable: Callable[[str], bool], zero_init: Sequence[Path] = (),
-         mesh=None, rules=None) -> nnx.Module:
+         mesh=None) -> nnx.Module:
   """Builds `build_model()` abstractly and fills it from the safetensors in `path`.
 
   `zero_init` lists state paths that the checkpoint does not hold and that
@@ -112,48 +111,17 @@ def load(path: str, *, build_model: Callable[[], nnx.Module], mappings: Sequence
       return np.asarray(mapping.to_ours(raw)).astype(dtype)
 
     group = sorted(group, key=lambda m: m.layer or 0)
-    variable.set_value(_place(variable, expected.shape, expected.dtype,
-                              [functools.partial(read, m) for m in group], stacked, mesh, rules))
+    variable.set_value(partitioning.place_checkpoint_tensor(
+        variable.get_metadata().get("logical_axes"), expected.shape, expected.dtype,
+        [functools.partial(read, m) for m in group], stacked, mesh))
   for state_path in zero_init:
     variable = flat[state_path]
     abstract_value = variable.get_value()
     zeros = lambda v=abstract_value: np.zeros(v.shape, v.dtype)
-    variable.set_value(_place(variable, abstract_value.shape, abstract_value.dtype, [zeros],
-                              False, mesh, rules))
+    variable.set_value(partitioning.place_checkpoint_tensor(
+        variable.get_metadata().get("logical_axes"), abstract_value.shape, abstract_value.dtype,
+        [zeros], False, mesh))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
-
-
-def _place(variable: nnx.Variable, shape, dtype, parts: Sequence[Callable[[], np.ndarray]],
-           stacked: bool, mesh, rules) -> jax.Array:
-  """The array `variable` holds, read from `parts` (one per layer when `stacked`)."""
-  if mesh is None:
-    return jax.device_put(np.stack([read() for read in parts]) if stacked else parts[0]())
-  sharding = partitioning.named_sharding(variable.get_metadata()["logical_axes"], shape, mesh,
-                                         rules)
-  if not stacked:
-    host = parts[0]()
-    return jax.make_array_from_callback(shape, sharding, lambda idx: host[idx])
-  # Host buffers for the distinct shards this process holds, filled layer by layer.
-  index_map = sharding.addressable_devices_indices_map(shape)
-  key = lambda idx: tuple(s.indices(n) for s, n in zip(idx, shape))
-  buffers = {}
-  for idx in index_map.values():
-    if key(idx) not in buffers:
-      buffers[key(idx)] = (idx, np.empty([len(range(*k)) for k in key(idx)], dtype))
-  for layer, read in enumerate(parts):
-    host = read()
-    for idx, buffer in buffers.values():
-      first, stop, _ = idx[0].indices(shape[0])
-      if first <= layer < stop:
-        buffer[layer - first] = host[idx[1:]]
-  arrays = [jax.device_put(buffers[key(idx)][1], device) for device, idx in index_map.items()]
-  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
-
-
-def _to_host(array: jax.Array) -> np.ndarray:
-  if not array.is_fully_addressable:
-    array = multihost_utils.process_allgather(array, tiled=True)
-  return np.asarray(jax.device_get(array))
 
 
 def save(model: nnx.Module, out_dir: str, *, mappings: Sequence[TensorMapping], hf_config: dict,
@@ -165,7 +133,7 @@ def save(model: nnx.Module, out_dir: str, *, mappings: Sequence[TensorMapping], 
   def tensors():
     for mapping in mappings:
       value = flat[mapping.path].get_value()
-      host = _to_host(value if mapping.layer is None else value[mapping.layer])
+      host = partitioning.to_host(value if mapping.layer is None else value[mapping.layer])
       host = np.asarray(mapping.to_hf(host))
       yield mapping.hf_name, host if save_dtype is None else host.astype(save_dtype)
 

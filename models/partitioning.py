@@ -1,16 +1,19 @@
-"""Logical axis names to mesh axes.
+"""Placement on the mesh: logical axis names to mesh axes, and every device_put.
 
 Every weight declares logical axes (`nnx.Param(..., logical_axes=(...))`);
-a rule table maps each logical name to zero or more mesh axes. Resolution is
-shape-aware: a mesh axis is dropped from a dimension it does not divide (for
-example 2 kv heads on a tensor axis of 4 stay replicated), and no mesh axis is
-used twice in one spec.
+`SHARDING_RULES` maps each logical name to zero or more mesh axes, for
+weights, batches, KV caches and the activation pins (`constrain`) alike.
+Resolution is shape-aware: a mesh axis is dropped from a dimension it does
+not divide (for example 2 kv heads on a tensor axis of 4 stay replicated),
+and no mesh axis is used twice in one spec. Weights (`place_state`,
+`place_checkpoint_tensor`), training batches (`place_batch`) and sampler
+arrays and caches (`place`) go onto the devices here and nowhere else.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -18,9 +21,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-Rules = Mapping[str, Sequence[str] | str | None]
-
-DEFAULT_RULES: dict[str, tuple[str, ...]] = {
+SHARDING_RULES: dict[str, tuple[str, ...]] = {
     # activations and caches
     "batch": ("data", "fsdp"),
     "seq": (),
@@ -45,20 +46,20 @@ def _as_tuple(axes) -> tuple[str, ...]:
   return tuple(axes)
 
 
-def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], mesh: Mesh,
-                    rules: Rules | None = None) -> PartitionSpec:
+def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int],
+                    mesh: Mesh) -> PartitionSpec:
   """PartitionSpec for an array of `shape` whose dimensions carry `logical_axes`."""
-  rules = DEFAULT_RULES if rules is None else rules
   logical_axes = tuple(logical_axes)
   if len(logical_axes) != len(shape):
     raise ValueError(f"logical axes {logical_axes} do not match shape {tuple(shape)}")
   used: set[str] = set()
   spec = []
   for name, size in zip(logical_axes, shape):
-    if name is not None and name not in rules:
-      raise KeyError(f"no sharding rule for logical axis {name!r}; rules cover {sorted(rules)}")
+    if name is not None and name not in SHARDING_RULES:
+      raise KeyError(f"no sharding rule for logical axis {name!r}; rules cover "
+                     f"{sorted(SHARDING_RULES)}")
     chosen = []
-    for axis in _as_tuple(None if name is None else rules[name]):
+    for axis in _as_tuple(None if name is None else SHARDING_RULES[name]):
       if axis not in mesh.shape or axis in used or mesh.shape[axis] == 1:
         continue
       if size % (int(np.prod([mesh.shape[a] for a in chosen])) * mesh.shape[axis]):
@@ -69,22 +70,21 @@ def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int], me
   return PartitionSpec(*spec)
 
 
-def mesh_axes(logical_name: str, mesh: Mesh, rules: Rules | None = None) -> tuple[str, ...]:
+def mesh_axes(logical_name: str, mesh: Mesh) -> tuple[str, ...]:
   """The mesh axes (of size > 1) that a logical axis maps to, ignoring divisibility."""
-  rules = DEFAULT_RULES if rules is None else rules
-  return tuple(a for a in _as_tuple(rules.get(logical_name)) if mesh.shape.get(a, 1) > 1)
+  return tuple(a for a in _as_tuple(SHARDING_RULES.get(logical_name)) if mesh.shape.get(a, 1) > 1)
 
 
-def named_sharding(logical_axes, shape, mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
-  return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
+def named_sharding(logical_axes, shape, mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
 
 
-def batch_sharding(shape, mesh: Mesh, rules: Rules | None = None) -> NamedSharding:
+def batch_sharding(shape, mesh: Mesh) -> NamedSharding:
   """Shards the leading (batch) axis over the data axes, replicates the rest."""
-  return named_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh, rules)
+  return named_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None):
+def state_shardings(state: nnx.State, mesh: Mesh):
   """`state` with each variable's value replaced by its NamedSharding."""
 
   def leaf_sharding(variable: nnx.Variable):
@@ -92,7 +92,7 @@ def state_shardings(state: nnx.State, mesh: Mesh, rules: Rules | None = None):
     shape = variable.get_value().shape
     if axes is None:  # not annotated: replicate
       return variable.replace(NamedSharding(mesh, PartitionSpec()))
-    return variable.replace(named_sharding(axes, shape, mesh, rules))
+    return variable.replace(named_sharding(axes, shape, mesh))
 
   return jax.tree.map(leaf_sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
@@ -142,6 +142,44 @@ def place_batch(batch, mesh: Mesh | None):
   return jax.tree.map(lambda x: put_host_value(x, batch_sharding(np.shape(x), mesh)), batch)
 
 
+def place(value, logical_axes, mesh: Mesh | None) -> jax.Array:
+  """One host or device array on `mesh` by its logical axes (() replicates a scalar)."""
+  if mesh is None:
+    return jnp.asarray(value)
+  return jax.device_put(value, named_sharding(logical_axes, np.shape(value), mesh))
+
+
+def place_checkpoint_tensor(logical_axes, shape, dtype,
+                            parts: Sequence[Callable[[], np.ndarray]], stacked: bool,
+                            mesh: Mesh | None) -> jax.Array:
+  """A weight read from host `parts` (one per layer when `stacked`) straight into its sharding.
+
+  With a mesh, stacked layers are read one at a time into host buffers of
+  the shards this process's devices hold.
+  """
+  if mesh is None:
+    return jax.device_put(np.stack([read() for read in parts]) if stacked else parts[0]())
+  sharding = named_sharding(logical_axes, shape, mesh)
+  if not stacked:
+    host = parts[0]()
+    return jax.make_array_from_callback(shape, sharding, lambda idx: host[idx])
+  # Host buffers for the distinct shards this process holds, filled layer by layer.
+  index_map = sharding.addressable_devices_indices_map(shape)
+  key = lambda idx: tuple(s.indices(n) for s, n in zip(idx, shape))
+  buffers = {}
+  for idx in index_map.values():
+    if key(idx) not in buffers:
+      buffers[key(idx)] = (idx, np.empty([len(range(*k)) for k in key(idx)], dtype))
+  for layer, read in enumerate(parts):
+    host = read()
+    for idx, buffer in buffers.values():
+      first, stop, _ = idx[0].indices(shape[0])
+      if first <= layer < stop:
+        buffer[layer - first] = host[idx[1:]]
+  arrays = [jax.device_put(buffers[key(idx)][1], device) for device, idx in index_map.items()]
+  return jax.make_array_from_single_device_arrays(shape, sharding, arrays)
+
+
 def to_host(array) -> np.ndarray:
   """The whole value of a (possibly multi-host) array as numpy on every host."""
   if isinstance(array, jax.Array) and not (array.is_fully_addressable or
@@ -168,7 +206,7 @@ def mesh_context(mesh: Mesh | None):
   return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
-def constrain(x, logical_axes, rules: Rules | None = None):
+def constrain(x, logical_axes):
   """Pins an activation's sharding by logical axes when traced under `mesh_context`.
 
   Without a mesh it is the identity, so model code calls it unconditionally.
@@ -179,4 +217,4 @@ def constrain(x, logical_axes, rules: Rules | None = None):
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty:
     return x
-  return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh, rules))
+  return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))

@@ -558,7 +558,7 @@ def _ignorable(lm_head_in_model: bool):
   return ignorable
 
 
-def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat, attention):
+def _load(model_cls, path, dtype, param_dtype, mesh, remat, attention):
   path = os.fspath(path)
   config = Qwen2Config.from_hf_dict(checkpoint_io.read_hf_config(path),
                                     source=os.path.join(path, "config.json"))
@@ -572,24 +572,24 @@ def _load(model_cls, path, dtype, param_dtype, mesh, rules, remat, attention):
       mappings=hf_tensor_mappings(config, lm_head=lm_head),
       ignorable=_ignorable(lm_head),
       zero_init=model_cls.NOT_IN_CHECKPOINT,
-      mesh=mesh, rules=rules)
+      mesh=mesh)
 
 
-def from_pretrained(path, dtype="float32", param_dtype=None, mesh=None, rules=None,
+def from_pretrained(path, dtype="float32", param_dtype=None, mesh=None,
                     remat: bool | str = False, attention: str = "auto") -> Qwen2:
   """Loads an HF Qwen2 checkpoint directory (config.json + safetensors).
 
   `dtype` is the compute dtype, `param_dtype` the storage dtype (default:
   `dtype`). With a `mesh`, each tensor goes straight into its sharding.
   """
-  return _load(Qwen2, path, dtype, param_dtype, mesh, rules, remat, attention)
+  return _load(Qwen2, path, dtype, param_dtype, mesh, remat, attention)
 
 
 def value_model_from_pretrained(path, dtype="float32", param_dtype=None, mesh=None,
-                                rules=None, remat: bool | str = False,
+                                remat: bool | str = False,
                                 attention: str = "auto") -> Qwen2Value:
   """A critic whose backbone starts from a policy checkpoint; the head starts at 0."""
-  return _load(Qwen2Value, path, dtype, param_dtype, mesh, rules, remat, attention)
+  return _load(Qwen2Value, path, dtype, param_dtype, mesh, remat, attention)
 
 
 def save_pretrained(model: Qwen2, out_dir, dtype: str | None = None,

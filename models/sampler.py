@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from models import partitioning
 from models.qwen2 import KV_CACHE_AXES, KVCache, Qwen2
@@ -137,20 +137,17 @@ class Sampler:
   """
 
   def __init__(self, model: Qwen2, *, stop_token_ids: Sequence[int], pad_id: int = 0,
-               mesh: Mesh | None = None, rules=None, cache_dtype=None,
+               mesh: Mesh | None = None, cache_dtype=None,
                min_chunk_bucket: int = 16, min_cache_bucket: int = 256):
     self.config = model.config
     self.graphdef, self.state = nnx.split(model)
     self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
     self.pad_id = int(pad_id)
     self.mesh = mesh
-    self.rules = rules
     self.cache_dtype = jnp.dtype(cache_dtype or model.backbone.dtype)
     self.min_chunk_bucket = min_chunk_bucket
     self.min_cache_bucket = min_cache_bucket
-    if mesh is not None:
-      self.state = jax.device_put(self.state,
-                                  partitioning.state_shardings(self.state, mesh, rules))
+    self.state = partitioning.place_state(self.state, mesh)
     self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=(1,))
     self._decode = jax.jit(
         functools.partial(_decode, self.graphdef, self.stop_token_ids, self.pad_id),
@@ -167,31 +164,21 @@ class Sampler:
     """How many ways the batch axis is split (batches are padded to a multiple)."""
     if self.mesh is None:
       return 1
-    axes = partitioning.mesh_axes("batch", self.mesh, self.rules)
+    axes = partitioning.mesh_axes("batch", self.mesh)
     return math.prod(self.mesh.shape[a] for a in axes)
 
   def _batch_bucket(self, num_rows: int) -> int:
     return math.lcm(bucket_size(num_rows), self.data_parallel_size())
 
-  def _sharding(self, logical_axes, shape):
-    if self.mesh is None:
-      return None
-    return partitioning.named_sharding(logical_axes, shape, self.mesh, self.rules)
-
   def _put(self, array, logical_axes):
-    sharding = self._sharding(logical_axes, array.shape)
-    return jnp.asarray(array) if sharding is None else jax.device_put(array, sharding)
+    return partitioning.place(array, logical_axes, self.mesh)
 
   def _place_cache(self, cache: KVCache) -> KVCache:
     if self.mesh is None:
       return cache
-    kv = self._sharding(KV_CACHE_AXES, cache.k.shape)
-    return KVCache(
-        k=jax.device_put(cache.k, kv), v=jax.device_put(cache.v, kv),
-        kv_positions_bs=jax.device_put(
-            cache.kv_positions_bs,
-            self._sharding(("batch", "cache_seq"), cache.kv_positions_bs.shape)),
-        length=jax.device_put(cache.length, NamedSharding(self.mesh, PartitionSpec())))
+    return KVCache(k=self._put(cache.k, KV_CACHE_AXES), v=self._put(cache.v, KV_CACHE_AXES),
+                   kv_positions_bs=self._put(cache.kv_positions_bs, ("batch", "cache_seq")),
+                   length=self._put(cache.length, ()))
 
   # Conversations.
 

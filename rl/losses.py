@@ -127,19 +127,18 @@ def value_loss(values, old_values, returns, mask, *, clip: float | None = 0.5,
 
   Clipping `v` itself (as verl) keeps every value inside the band exactly
   equal to v, so value_clip_frac counts only tokens whose clipped loss was
-  taken; old + clip(v - old) would round some of those and count them.
+  taken; old + clip(v - old) would round some of those and count them. Without
+  `clip` there is no value_clip_frac.
   """
   values, old_values, returns = (jnp.asarray(x, jnp.float32)
                                  for x in (values, old_values, returns))
   unclipped_bt = (values - returns) ** 2
   if clip is None:
-    loss_bt = unclipped_bt
-    clip_frac = jnp.zeros(())
-  else:
-    clipped_values_bt = jnp.clip(values, old_values - clip, old_values + clip)
-    clipped_bt = (clipped_values_bt - returns) ** 2
-    loss_bt = jnp.maximum(unclipped_bt, clipped_bt)
-    clip_frac = _token_mean(clipped_bt > unclipped_bt, mask, norm)
+    return 0.5 * aggregate(unclipped_bt, mask, agg, norm), {}
+  clipped_values_bt = jnp.clip(values, old_values - clip, old_values + clip)
+  clipped_bt = (clipped_values_bt - returns) ** 2
+  loss_bt = jnp.maximum(unclipped_bt, clipped_bt)
+  clip_frac = _token_mean(clipped_bt > unclipped_bt, mask, norm)
   return 0.5 * aggregate(loss_bt, mask, agg, norm), {"value_clip_frac": clip_frac}
 
 

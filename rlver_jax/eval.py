@@ -30,10 +30,9 @@ from tqdm import tqdm
 
 from models.errors import RunStopped
 from rl import rollout as rollout_lib
-from rl import system_prompts
-from rlver_jax import cli, config_checks, multihost, run_config, sharding, simulator_factory
+from rlver_jax import builder, cli, config_checks, multihost, run_config, sharding
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import policy as policy_lib
+from rlver_jax import simulator_factory
 from sim_user import dynamics, profiles as profiles_lib
 from sim_user.simulator import Dialogue
 
@@ -147,18 +146,9 @@ def evaluate(config) -> dict:
                  len(profiles) - len(todo), len(profiles))
 
   mesh = multihost.local_mesh(dict(config.mesh))  # each host runs its own dialogues
-  policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
-                                 param_dtype=config.policy.param_dtype, mesh=mesh)
-  user = simulator_factory.make_simulated_user(config.sim_user, mesh)
-  user.check_health()  # one request: a dead simulator fails here, fast
-  system_prompt = system_prompts.resolve(e.system_prompt, language=config.sim_user.language,
-                                         thinking=e.thinking)
-  logging.info("policy system prompt (eval.system_prompt=%r): %r", e.system_prompt,
-               system_prompt)
-  rollout_cfg = rollout_lib.RolloutConfig(
-      samples_per_profile=1, system_prompt=system_prompt, thinking=e.thinking,
-      max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9, temperature=e.temperature,
-      top_p=e.top_p, top_k=e.top_k)
+  policy = builder.inference_policy(config, mesh)
+  user = builder.simulated_user(config, mesh)
+  rollout_cfg = builder.eval_rollout_config(config)
 
   if primary:
     _write_records(results_path, list(by_id.values()))
@@ -201,7 +191,7 @@ def evaluate(config) -> dict:
               "limit": e.limit, "rules": user.rules.name, "simulator": config.sim_user.backend,
               "simulator_model": config.sim_user.model, "variant": config.sim_user.variant,
               "thinking": e.thinking, "system_prompt_setting": e.system_prompt,
-              "system_prompt": system_prompt,
+              "system_prompt": rollout_cfg.system_prompt,
               "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k,
               "max_new_tokens": e.max_new_tokens, "dtype": config.policy.dtype,
               "seed": config.seed}

@@ -26,8 +26,8 @@ from tqdm import tqdm
 from models.chat import ChatFormatter
 from models.errors import UserInputError
 from models.sampler import SamplingParams
+from rlver_jax import builder
 from rlver_jax import policy as policy_lib
-from rlver_jax import sharding
 
 
 class InputError(UserInputError):
@@ -129,11 +129,9 @@ def _request_ids(line: str, formatter: ChatFormatter, vocab_size: int) -> list[i
 
 
 def load(args) -> policy_lib.Policy:
-  axes = parse_mesh(args.mesh)
-  mesh = sharding.make_mesh(axes) if axes else None
   stops = [name.strip() for name in args.stop.split(",") if name.strip()]
-  return policy_lib.load_policy(args.checkpoint, dtype=args.dtype, mesh=mesh, stops=stops,
-                                require_chat_template=args.chat)
+  return builder.generation_policy(args.checkpoint, args.dtype, parse_mesh(args.mesh), stops,
+                                   require_chat_template=args.chat)
 
 
 def decode_reply(tokenizer, tokens: list[int], stop_reason: str) -> str:

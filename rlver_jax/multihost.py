@@ -264,12 +264,12 @@ class Hosts:
   the local devices.
   """
 
-  def __init__(self, train_mesh: Mesh, mesh_axes, rules=None):
+  def __init__(self, train_mesh: Mesh, mesh_axes):
     self.index, self.count = jax.process_index(), jax.process_count()
-    self.train_mesh, self.rules = train_mesh, rules
+    self.train_mesh = train_mesh
     self.primary = self.index == 0
     self.train_data_parallel_size = math.prod(
-        train_mesh.shape[a] for a in partitioning.mesh_axes("batch", train_mesh, rules))
+        train_mesh.shape[a] for a in partitioning.mesh_axes("batch", train_mesh))
     if self.count == 1:
       self.local_mesh = train_mesh
       return
@@ -302,7 +302,7 @@ class Hosts:
     """
     if self.count == 1:
       return state
-    local = partitioning.state_shardings(state, self.local_mesh, self.rules)
+    local = partitioning.state_shardings(state, self.local_mesh)
     replicated = jax.tree.map(lambda s: NamedSharding(self._hosts_mesh, s.spec), local)
     key = jax.tree.structure(state)
     if key not in self._gathers:

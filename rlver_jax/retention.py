@@ -29,8 +29,7 @@ from tqdm import tqdm
 
 from models.sampler import STOP, SamplingParams
 from models.errors import UserInputError
-from rlver_jax import cli, multihost, sharding
-from rlver_jax import policy as policy_lib
+from rlver_jax import builder, cli, multihost, sharding
 from sim_user.jsonl import iter_jsonl
 from sim_user.thinking import strip_thinking
 
@@ -230,7 +229,7 @@ def evaluate(config) -> dict:
   os.makedirs(config.workdir, exist_ok=True)
   sharding.maybe_initialize_distributed()
   mesh = multihost.local_mesh(dict(config.mesh))  # each host answers its share of the items
-  policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype, mesh=mesh)
+  policy = builder.inference_policy(config, mesh)
   params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
                           seed=config.seed)
 

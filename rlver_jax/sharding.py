@@ -1,8 +1,8 @@
-"""Meshes, multi-host start-up and placing models on a mesh.
+"""Meshes and multi-host start-up.
 
 A mesh config names axes and sizes, e.g. `{"data": 1, "fsdp": -1, "tensor": 2}`;
-one size may be -1 for "all remaining devices". Weights map to mesh axes
-through the logical-axis rules of `models.partitioning` (overridable per run).
+one size may be -1 for "all remaining devices". What goes where on a mesh is
+`models.partitioning`'s job.
 """
 
 from __future__ import annotations
@@ -13,10 +13,8 @@ from typing import Mapping
 
 import jax
 from absl import logging
-from flax import nnx
 from jax.sharding import AxisType, Mesh
 
-from models import partitioning
 from models.errors import UserInputError
 
 DEFAULT_MESH_AXES = {"data": 1, "fsdp": -1, "tensor": 1}
@@ -107,38 +105,3 @@ def make_mesh(axes: Mapping[str, int] | None = None, devices=None) -> Mesh:
   # Auto axes: shardings propagate through the model as in pjit.
   return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
                        axis_types=(AxisType.Auto,) * len(sizes))
-
-
-def shard_model(model: nnx.Module, mesh: Mesh, rules=None) -> nnx.Module:
-  """Moves every weight of `model` into the sharding its logical axes ask for."""
-  graphdef, state = nnx.split(model)
-  state = jax.device_put(state, partitioning.state_shardings(state, mesh, rules))
-  return nnx.merge(graphdef, state)
-
-
-def jit_batched_apply(model: nnx.Module, mesh: Mesh, batch_shapes, rules=None):
-  """Jits `model(*batch)` as `apply(state, *batch)` with explicit shardings.
-
-  Weights go in their logical shardings, every batch array and the output
-  are sharded over the batch axes. Returns `(apply, state)` with `state`
-  already placed.
-  """
-  graphdef, state = nnx.split(model)
-  state_shardings = partitioning.state_shardings(state, mesh, rules)
-  batch_shardings = tuple(partitioning.batch_sharding(shape, mesh, rules)
-                          for shape in batch_shapes)
-
-  def apply(state, *batch):
-    return nnx.merge(graphdef, state)(*batch)
-
-  with partitioning.mesh_context(mesh):  # activation constraints apply while tracing
-    out_shape = jax.eval_shape(apply, state,
-                               *(jax.ShapeDtypeStruct(s, "int32") for s in batch_shapes))
-  jitted = jax.jit(apply, in_shardings=(state_shardings,) + batch_shardings,
-                   out_shardings=partitioning.batch_sharding(out_shape.shape, mesh, rules))
-
-  def call(state, *batch):
-    with partitioning.mesh_context(mesh):
-      return jitted(state, *batch)
-
-  return call, jax.device_put(state, state_shardings)

@@ -26,18 +26,14 @@ from absl import logging
 from tqdm import tqdm
 
 from models import qwen2
-from models.chat import ChatFormatter
 from models.errors import RunStopped
-from models.sampler import Sampler
-from rl import rollout as rollout_lib
-from rl import system_prompts
 from rl import advantages as advantages_lib
 from rl import batch as batch_lib
-from rl import forward, learner, losses, updates
-from rlver_jax import config_checks, dialogue_log
+from rl import forward, learner
+from rl import rollout as rollout_lib
+from rlver_jax import builder, config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import policy as policy_lib
-from rlver_jax import multihost, run_config, sharding, simulator_factory, tiny
+from rlver_jax import multihost, run_config, sharding, simulator_factory
 from sim_user import profiles as profiles_lib
 
 
@@ -109,32 +105,9 @@ def checkpoint_due(step: int, final_step: int, every: int, every_minutes: float,
           (every_minutes > 0 and seconds_since_save >= 60 * every_minutes))
 
 
-def resolve_policy_checkpoint(config) -> str:
-  if config.policy.tiny_init:
-    path = os.path.join(config.workdir, "init_policy")
-    if jax.process_index() == 0 and not os.path.exists(os.path.join(path, "config.json")):
-      tiny.write_checkpoint(path, seed=config.seed)
-    multihost.barrier("tiny init policy written")  # the other hosts read process 0's files
-    return path
-  return config.policy.checkpoint
-
-
-def loss_config(config) -> losses.LossConfig:
-  rl = config.rl  # checked by config_checks.check_train_config
-  return losses.LossConfig(
-      advantage="gae" if rl.algorithm == "ppo" else "grpo", gamma=rl.gamma, lam=rl.lam,
-      whiten_advantages=rl.whiten_advantages, grpo_normalize_std=rl.grpo_normalize_std,
-      clip_ratio=rl.clip_ratio, clip_ratio_high=rl.clip_ratio_high, dual_clip=rl.dual_clip,
-      value_clip=rl.value_clip, entropy_coef=rl.entropy_coef, kl_coef=rl.kl_coef,
-      kl_estimator=rl.kl_estimator, kl_in_reward=rl.kl_in_reward, loss_agg=rl.loss_agg,
-      temperature=config.rollout.temperature)
-
-
-def optim_config(config, lr: float) -> learner.OptimConfig:
-  o = config.optim
-  return learner.OptimConfig(
-      lr=lr, warmup_steps=o.warmup_steps, schedule=o.schedule, total_steps=config.steps,
-      weight_decay=o.weight_decay, grad_clip=o.grad_clip)
+# The update metrics a step reports, each the mean over the step's finite updates.
+UPDATE_METRICS = ("kl", "approx_kl", "entropy", "clip_frac", "pg_clipfrac_lower", "pg_loss",
+                  "value_loss", "value_clip_frac", "grad_norm")
 
 
 class Trainer:
@@ -151,50 +124,13 @@ class Trainer:
     run_config.check_and_save(config, config.workdir,
                               resuming=self.checkpoints.latest_step() is not None)
     sharding.maybe_initialize_distributed()
-    self.mesh = sharding.make_mesh(dict(config.mesh))
-    self.hosts = multihost.Hosts(self.mesh, dict(config.mesh))
-    self.loss_cfg = loss_config(config)
-    self.system_prompt = system_prompts.resolve(
-        config.rollout.system_prompt, language=config.sim_user.language,
-        thinking=config.rollout.thinking)
-    logging.info("policy system prompt (rollout.system_prompt=%r): %r",
-                 config.rollout.system_prompt, self.system_prompt)
-    self.rollout_cfg = rollout_lib.RolloutConfig(
-        samples_per_profile=config.rollout.samples_per_profile,
-        system_prompt=self.system_prompt, thinking=config.rollout.thinking,
-        format_penalty_reward=config.rollout.format_penalty_reward,
-        max_new_tokens=config.rollout.max_new_tokens,
-        max_dialogue_tokens=config.rollout.max_dialogue_tokens,
-        temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-        top_k=config.rollout.top_k, reward=config.rl.reward)
-
+    mesh = sharding.make_mesh(dict(config.mesh))
+    self.hosts = multihost.Hosts(mesh, dict(config.mesh))
+    self.loss_cfg = builder.loss_config(config)
+    self.rollout_cfg = builder.train_rollout_config(config)
     self.profiles = profiles_lib.load_profiles(config.data.train_profiles)
-    policy_path = resolve_policy_checkpoint(config)
-    self.tokenizer = policy_lib.load_tokenizer(policy_path)
-    self.formatter = ChatFormatter(self.tokenizer)
-    load = dict(dtype=config.policy.dtype, param_dtype=config.policy.param_dtype, mesh=self.mesh,
-                remat=config.policy.remat_policy if config.policy.remat else "none",
-                attention=config.policy.attention)
-    policy = qwen2.from_pretrained(policy_path, **load)
-    self.policy_optim = optim_config(config, config.optim.actor_lr)
-    self.policy = learner.Learner(policy, learner.make_optimizer(self.policy_optim),
-                                  updates.policy_loss, self.loss_cfg, self.mesh)
-    self.critic = None
-    if config.rl.algorithm == "ppo":
-      critic = qwen2.value_model_from_pretrained(config.critic.checkpoint or policy_path, **load)
-      self.critic_optim = optim_config(config, config.optim.critic_lr)
-      self.critic = learner.Learner(critic, learner.make_optimizer(self.critic_optim),
-                                    updates.critic_loss, self.loss_cfg, self.mesh,
-                                    metric_prefix="critic_")
-    self.reference = None
-    if config.rl.kl_coef:
-      reference = qwen2.from_pretrained(policy_path, **{**load, "remat": False})
-      self.reference = learner.Learner(reference, mesh=self.mesh)
-    self.sampler = Sampler(self.hosts.local_model(policy), stop_token_ids=policy_lib.stop_token_ids(
-                               self.tokenizer, eos_token_id=policy.config.eos_token_id),
-                           pad_id=self.tokenizer.pad_token_id or 0, mesh=self.hosts.local_mesh)
-    self.user = simulator_factory.make_simulated_user(config.sim_user, self.hosts.local_mesh)
-    self.user.check_health()  # one request: a dead simulator fails here, fast
+    self.models = builder.training_models(config, self.loss_cfg, self.hosts)
+    self.user = builder.simulated_user(config, self.hosts.local_mesh)
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
         simulator_factory.describe(config.sim_user))
@@ -211,9 +147,9 @@ class Trainer:
   # Checkpoints.
 
   def _state(self) -> dict:
-    state = {"policy": self.policy.params, "policy_opt": self.policy.opt_state}
-    if self.critic is not None:
-      state.update(critic=self.critic.params, critic_opt=self.critic.opt_state)
+    state = {"policy": self.models.policy.params, "policy_opt": self.models.policy.opt_state}
+    if self.models.critic is not None:
+      state.update(critic=self.models.critic.params, critic_opt=self.models.critic.opt_state)
     return state
 
   def _save(self) -> None:
@@ -241,9 +177,10 @@ class Trainer:
     restored = self.checkpoints.restore(
         latest, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **targets))
     meta = restored["meta"]
-    self.policy.params, self.policy.opt_state = restored["policy"], restored["policy_opt"]
-    if self.critic is not None:
-      self.critic.params, self.critic.opt_state = restored["critic"], restored["critic_opt"]
+    policy, critic = self.models.policy, self.models.critic
+    policy.params, policy.opt_state = restored["policy"], restored["policy_opt"]
+    if critic is not None:
+      critic.params, critic.opt_state = restored["critic"], restored["critic_opt"]
     self.step = meta["step"]
     self.order.position = meta["data_position"]
     self.skipped_updates = meta["skipped_updates"]
@@ -258,8 +195,8 @@ class Trainer:
     chosen = [self.profiles[i] for i in self.order.take(config.batch_size)]
     share = self.hosts.share(len(chosen))  # this host's dialogues
     sim_counts_before = dict(self.user.metrics)
-    self.sampler.update_weights(self.hosts.local_params(self.policy.params))
-    rollout = rollout_lib.collect(self.sampler, self.formatter, self.user,
+    self.models.sampler.update_weights(self.hosts.local_params(self.models.policy.params))
+    rollout = rollout_lib.collect(self.models.sampler, self.models.formatter, self.user,
                                   chosen[share.start:share.stop], self.rollout_cfg,
                                   seed=config.seed * 100_003 + step, first_profile=share.start)
     self.dialogue_log.observe(step, rollout.dialogues)
@@ -277,13 +214,13 @@ class Trainer:
 
     start = time.perf_counter()
     batch = self.hosts.collate(rollout.samples, self.batch_multiple,
-                               pad_id=self.tokenizer.pad_token_id or 0)
+                               pad_id=self.models.tokenizer.pad_token_id or 0)
     micro_rows = batch.rows // (config.optim.num_minibatches * config.optim.grad_accum)
-    if self.critic is not None:
-      batch = batch.replace(old_values_bt=self.critic.apply_in_micro_batches(
+    if self.models.critic is not None:
+      batch = batch.replace(old_values_bt=self.models.critic.apply_in_micro_batches(
           forward.critic_values, batch, micro_rows))
-    if self.reference is not None:
-      batch = batch.replace(ref_logprobs_bt=self.reference.apply_in_micro_batches(
+    if self.models.reference is not None:
+      batch = batch.replace(ref_logprobs_bt=self.models.reference.apply_in_micro_batches(
           forward.sequence_logprobs, batch, micro_rows, temperature=self.loss_cfg.temperature))
     batch = advantages_lib.compute_advantages(batch, self.loss_cfg)
     update_metrics = []
@@ -298,15 +235,17 @@ class Trainer:
                                      self.micro_multiple)
     else:
       minibatches = batch_lib.split(update_batch, config.optim.num_minibatches)
-    policy_lr = learner.learning_rate(self.policy_optim, step - 1)
-    critic_lr = learner.learning_rate(self.critic_optim, step - 1) if self.critic else None
+    policy, critic = self.models.policy, self.models.critic
+    policy_lr = learner.learning_rate(self.models.policy_optim, step - 1)
+    critic_lr = learner.learning_rate(self.models.critic_optim, step - 1) if critic else None
     for _ in range(config.optim.ppo_epochs):
       for minibatch in minibatches:
         micro_batches = batch_lib.split(minibatch, config.optim.grad_accum)
-        m = self.policy.update(micro_batches, learning_rate=policy_lr)
-        if self.critic is not None:
-          m.update(self.critic.update(micro_batches, learning_rate=critic_lr))
-        update_metrics.append(jax.device_get(m))
+        m = policy.update(micro_batches, learning_rate=policy_lr)
+        if critic is not None:
+          m.update(critic.update(micro_batches, learning_rate=critic_lr))
+        update_metrics.append(m)
+    update_metrics = jax.device_get(update_metrics)  # the one wait for the device this step
     train_seconds = time.perf_counter() - start
 
     skipped = sum(1 for m in update_metrics
@@ -319,13 +258,12 @@ class Trainer:
         raise TrainingError(f"{self.skipped_updates} non-finite updates skipped, more than "
                             f"max_skipped_updates={config.max_skipped_updates}; stopping")
     finite = [m for m in update_metrics if m["finite"] >= 1] or update_metrics
-    mean = lambda key: float(np.mean([m[key] for m in finite])) if key in finite[0] else 0.0
     out = dict(rollout_metrics)
+    # A metric the step's losses do not make (GRPO's value loss, the dual clip's share
+    # without a dual clip) is absent, not 0.
+    out.update({key: float(np.mean([m[key] for m in finite]))
+                for key in UPDATE_METRICS if key in finite[0]})
     out.update({
-        "kl": mean("kl"), "approx_kl": mean("approx_kl"), "entropy": mean("entropy"),
-        "clip_frac": mean("clip_frac"), "pg_clipfrac_lower": mean("pg_clipfrac_lower"),
-        "pg_loss": mean("pg_loss"), "value_loss": mean("value_loss"),
-        "value_clip_frac": mean("value_clip_frac"), "grad_norm": mean("grad_norm"),
         "updates": len(update_metrics), "lr": policy_lr,
         "skipped_updates": skipped, "time/train": train_seconds,
         "samples": len(rollout.samples), "untrained/simulator": 0,
@@ -377,9 +315,9 @@ class Trainer:
                                    os.path.join(config.workdir, "reward_curve.png"))
     if config.checkpoint.export_at_end:
       export = os.path.join(config.workdir, "export")
-      qwen2.save_pretrained(self.policy.model(), export)
+      qwen2.save_pretrained(self.models.policy.model(), export)
       if jax.process_index() == 0:
-        self.tokenizer.save_pretrained(export)
+        self.models.tokenizer.save_pretrained(export)
       logging.info("policy exported to %s", export)
     logging.info("done: %d steps, metrics %s, plot %s", self.step, self.metrics.path, plot)
     self.checkpoints.close()

@@ -214,6 +214,12 @@ def test_value_loss_matches_verl():
   assert 0 < metrics["value_clip_frac"] < 1
 
 
+def test_an_unclipped_value_loss_reports_no_clip_fraction():
+  values, returns = np.array([[0.0, 2.0]]), np.array([[1.0, 1.0]])
+  loss, metrics = rl.value_loss(values, values, returns, np.ones((1, 2)), clip=None)
+  assert float(loss) == 0.5 and metrics == {}  # absent, not 0
+
+
 def test_value_clip_frac_counts_no_value_inside_the_clip_band():
   # old + clip(v - old, +-c) rounds v in float32, and (rounded - R)^2 > (v - R)^2 then
   # counted about 1.4% of these tokens as clipped; none of them is.
@@ -296,13 +302,13 @@ def test_trainer_stops_after_too_many_skipped_updates(monkeypatch, tmp_path):
   from tests.test_trainer import small_demo
   config = small_demo(tmp_path, max_skipped_updates=1)
   run = trainer.Trainer(config)
-  real_update = run.policy.update
+  real_update = run.models.policy.update
 
   def nan_update(micro_batches, **kwargs):
     metrics = real_update(micro_batches, **kwargs)
     return {**metrics, "finite": np.float32(0.0)}  # as a NaN loss reports it
 
-  monkeypatch.setattr(run.policy, "update", nan_update)
+  monkeypatch.setattr(run.models.policy, "update", nan_update)
   run.run_step()  # one skipped update is tolerated
   with pytest.raises(trainer.TrainingError, match="2 non-finite updates skipped"):
     run.run_step()
@@ -448,14 +454,14 @@ def test_a_thinking_step_makes_one_update_per_batch_size_samples(monkeypatch, tm
   config = small_demo(tmp_path, **{"rollout.thinking": True, "optim.warmup_steps": 0})
   run = trainer.Trainer(config)
   calls = []
-  real_update = run.policy.update
+  real_update = run.models.policy.update
 
   def counting_update(micro_batches, **kwargs):
     calls.append((sum(int((m.loss_mask_bt.sum(1) > 0).sum()) for m in micro_batches),
                   kwargs["learning_rate"]))
     return real_update(micro_batches, **kwargs)
 
-  monkeypatch.setattr(run.policy, "update", counting_update)
+  monkeypatch.setattr(run.models.policy, "update", counting_update)
   metrics = run.run_step()
   samples = metrics["samples"]
   assert samples > config.batch_size  # one sample per agent turn

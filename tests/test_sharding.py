@@ -4,11 +4,39 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from models import partitioning, qwen2
 from rlver_jax import sharding
 from tests.hf_fixtures import make_hf_qwen2
+
+
+def jit_batched_apply(model: nnx.Module, mesh, batch_shapes):
+  """Jits `model(*batch)` as `apply(state, *batch)` with explicit shardings.
+
+  Weights go in their logical shardings, every batch array and the output
+  are sharded over the batch axes. Returns `(apply, state)` with `state`
+  already placed.
+  """
+  graphdef, state = nnx.split(model)
+  state_shardings = partitioning.state_shardings(state, mesh)
+  batch_shardings = tuple(partitioning.batch_sharding(shape, mesh) for shape in batch_shapes)
+
+  def apply(state, *batch):
+    return nnx.merge(graphdef, state)(*batch)
+
+  with partitioning.mesh_context(mesh):  # activation constraints apply while tracing
+    out_shape = jax.eval_shape(apply, state,
+                               *(jax.ShapeDtypeStruct(s, "int32") for s in batch_shapes))
+  jitted = jax.jit(apply, in_shardings=(state_shardings,) + batch_shardings,
+                   out_shardings=partitioning.batch_sharding(out_shape.shape, mesh))
+
+  def call(state, *batch):
+    with partitioning.mesh_context(mesh):
+      return jitted(state, *batch)
+
+  return call, jax.device_put(state, state_shardings)
 
 
 def test_eight_fake_devices():
@@ -71,17 +99,18 @@ def test_sharded_forward_equals_unsharded(checkpoint, axes):
   assert shard_shape == (2, 64 // axes["fsdp"], 4 // axes["tensor"], 16)
 
   ids = np.random.RandomState(0).randint(0, 128, (8, 12)).astype(np.int32)
-  apply, state = sharding.jit_batched_apply(sharded, mesh, [ids.shape])
+  apply, state = jit_batched_apply(sharded, mesh, [ids.shape])
   logits = apply(state, ids)
   assert logits.sharding.spec[0] is not None  # batch stays sharded
   np.testing.assert_allclose(np.asarray(logits), np.asarray(reference(jnp.asarray(ids))),
                              atol=1e-5, rtol=0)
 
 
-def test_shard_model_places_a_random_model(checkpoint):
+def test_place_state_places_a_loaded_model(checkpoint):
   mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
   model = qwen2.from_pretrained(checkpoint)
-  placed = sharding.shard_model(model, mesh)
+  graphdef, state = nnx.split(model)
+  placed = nnx.merge(graphdef, partitioning.place_state(state, mesh))
   embed = placed.backbone.embed.get_value()  # [V=128, D=64]: vocab->tensor, embed->fsdp
   assert embed.sharding.spec == P("tensor", "fsdp")
   ids = jnp.asarray(np.random.RandomState(1).randint(0, 128, (4, 5)), jnp.int32)
