@@ -20,6 +20,7 @@ import numpy as np
 
 from models.chat import ChatFormatter
 from models.sampler import Sampler, SamplingParams
+from rl import keys
 from rl.agent import Agent, CachedDialogues, Sample, ThinkingTurns
 from sim_user import dynamics
 from sim_user.profiles import Profile
@@ -66,10 +67,11 @@ def make_agent(config: RolloutConfig, sampler: Sampler, formatter: ChatFormatter
 
 
 def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
-            profiles: Sequence[Profile], config: RolloutConfig, seed: int,
+            profiles: Sequence[Profile], config: RolloutConfig, key: jax.Array,
             first_profile: int = 0) -> Rollout:
   """Runs one batch of dialogues to their end and returns the training samples.
 
+  `key` is the batch's (rl/keys.py); turn t draws with `keys.turn(key, t)`.
   `profiles` may be one host's share of a larger batch, starting at global
   profile `first_profile`: groups and sampling keys follow the global index, so
   each dialogue is the same whichever host runs it.
@@ -87,7 +89,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   live = [i for i, d in enumerate(dialogues) if not d.done]
   turn = 0
   while live:
-    replies = agent.act(dialogues, live, jax.random.key(seed * 1000 + turn))
+    replies = agent.act(dialogues, live, keys.turn(key, turn))
     t0 = time.perf_counter()
     user.respond([dialogues[i] for i in live], replies)
     sim_seconds += time.perf_counter() - t0
