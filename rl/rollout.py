@@ -49,9 +49,11 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class Rollout:
-  samples: list[Sample]
-  dialogues: list[Dialogue]
-  metrics: dict
+  """One batch of finished dialogues (this host's share) and what training takes from them."""
+
+  samples: list[Sample]  # [samples]: one per dialogue, or one per agent turn when thinking
+  dialogues: list[Dialogue]  # [profiles * samples_per_profile], group after group
+  metrics: dict  # rollout metrics (rewards, emotions, turns, tokens, times)
 
 
 def make_agent(config: RolloutConfig, sampler: Sampler, formatter: ChatFormatter,
@@ -100,7 +102,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
     turn += 1
 
   samples = agent.samples(dialogues, groups, config.reward)
-  metrics = rollout_metrics(samples, dialogues, user.rules)
+  metrics = rollout_metrics(samples, dialogues, user.emotion_rules)
   metrics.update({"time/rollout": time.perf_counter() - start_time,
                   "time/simulator": sim_seconds, **agent.metrics()})
   return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)

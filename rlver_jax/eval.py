@@ -200,7 +200,8 @@ def evaluate(config) -> dict:
   records = [by_id[p.id] for p in profiles]
   _write_records(results_path, records + [r for r in by_id.values() if r["id"] not in selected])
   settings = {"checkpoint": config.policy.checkpoint, "profiles": config.eval.profiles,
-              "limit": e.limit, "rules": user.rules.name, "simulator": config.sim_user.backend,
+              "limit": e.limit, "rules": user.emotion_rules.name,
+              "simulator": config.sim_user.backend,
               "simulator_model": config.sim_user.model, "variant": config.sim_user.variant,
               "thinking": e.thinking, "system_prompt_setting": e.system_prompt,
               "system_prompt": system_prompt,
