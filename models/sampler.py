@@ -15,7 +15,11 @@ A `Conversations` object is the device state of a batch of dialogues. Each
 `extend` call prefills only the new tokens of every row (the user's reply and
 the next role header) after what the cache already holds, then decodes; a
 dialogue of T turns never re-prefills its history. `select` keeps a subset
-of rows (finished dialogues drop out) by gathering their cache rows.
+of rows (finished dialogues drop out) by gathering their cache rows. Both
+update the `Conversations` in place: its cache is donated to every call.
+
+Every call returns `Completions`, one continuation per row; a training
+sequence (`rl.agent.Sample`) is built from them by the agent.
 """
 
 from __future__ import annotations
@@ -44,7 +48,6 @@ class SamplingParams:
   temperature: float = 1.0  # 0: greedy
   top_k: int = 0  # 0: off
   top_p: float = 1.0  # 1: off
-  seed: int = 0
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -58,24 +61,40 @@ class SamplingParams:
 
 
 @dataclasses.dataclass
-class SampleOutput:
-  """One entry per prompt row. Token lists include the stop token when one was hit."""
+class Completions:
+  """The sampler's output: one continuation per row, in row order."""
 
-  tokens: list[list[int]]
-  logprobs: list[list[float]]
-  stop_reasons: list[str]
+  tokens: list[list[int]]  # [rows][new tokens]: all the cache now holds, the stop token included
+  logprobs: list[list[float]]  # [rows][new tokens]: each token's sampling logprob
+  stop_reasons: list[str]  # [rows]: STOP (a stop token ends `tokens`) or LENGTH (max_new_tokens)
 
   @property
   def lengths(self) -> list[int]:
     return [len(t) for t in self.tokens]
 
+  @property
+  def ended(self) -> list[bool]:
+    """Per row: the continuation ended on a stop token (it was not cut at max_new_tokens)."""
+    return [reason == STOP for reason in self.stop_reasons]
+
+  def texts(self, tokenizer, skip_special_tokens: bool = False) -> list[str]:
+    """Each row's text without its stop token."""
+    return [tokenizer.decode(tokens[:-1] if ended else tokens,
+                             skip_special_tokens=skip_special_tokens)
+            for tokens, ended in zip(self.tokens, self.ended)]
+
 
 @dataclasses.dataclass
 class Conversations:
-  """Device state of a batch of dialogues: the KV cache and how many rows are real."""
+  """Device state of a batch of dialogues: the KV cache and what each real row is."""
 
   cache: KVCache
-  num_rows: int
+  row_ids: list[int]  # [rows]: each real row's id, folded into its sampling key
+  reply_ended: list[bool]  # [rows]: the row's last continuation ended on a stop token
+
+  @property
+  def num_rows(self) -> int:
+    return len(self.row_ids)
 
   @property
   def batch_size(self) -> int:
@@ -182,12 +201,22 @@ class Sampler:
 
   # Conversations.
 
-  def start(self, num_rows: int, capacity: int = 0) -> Conversations:
-    """An empty batch of `num_rows` dialogues (capacity grows on demand)."""
+  def start(self, num_rows: int, capacity: int = 0,
+            row_ids: Sequence[int] | None = None) -> Conversations:
+    """An empty batch of `num_rows` dialogues (capacity grows on demand).
+
+    Row r draws its tokens with the call's key folded with `row_ids[r]`
+    (default r): give rows global ids and their tokens do not depend on the
+    batch they are in.
+    """
+    row_ids = list(range(num_rows) if row_ids is None else row_ids)
+    if len(row_ids) != num_rows:
+      raise ValueError(f"{len(row_ids)} row ids for {num_rows} rows")
     batch = self._batch_bucket(num_rows)
     slots = bucket_size(capacity, self.min_cache_bucket)
     cache = KVCache.init(self.config, batch, slots, self.cache_dtype)
-    return Conversations(cache=self._place_cache(cache), num_rows=num_rows)
+    return Conversations(cache=self._place_cache(cache), row_ids=row_ids,
+                         reply_ended=[True] * num_rows)
 
   def _grow(self, convs: Conversations, needed_slots: int) -> None:
     slots = bucket_size(needed_slots, self.min_cache_bucket)
@@ -199,7 +228,7 @@ class Sampler:
         kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
         length=cache.length))
 
-  def select(self, convs: Conversations, rows: Sequence[int]) -> Conversations:
+  def select(self, convs: Conversations, rows: Sequence[int]) -> None:
     """Keeps the given rows, in that order, in a batch of the smallest bucket."""
     rows = list(rows)
     if not rows:
@@ -212,15 +241,21 @@ class Sampler:
     cache = KVCache(k=cache.k[:, index], v=cache.v[:, index],
                     kv_positions_bs=cache.kv_positions_bs[index], length=cache.length)
     # Filler rows duplicate a real row; they are marked done and never read.
-    return Conversations(cache=self._place_cache(cache), num_rows=len(rows))
+    convs.cache = self._place_cache(cache)
+    convs.row_ids = [convs.row_ids[r] for r in rows]
+    convs.reply_ended = [convs.reply_ended[r] for r in rows]
 
   def extend(self, convs: Conversations, new_tokens: Sequence[Sequence[int]],
-             params: SamplingParams, row_ids: Sequence[int] | None = None) -> SampleOutput:
-    """Appends each row's new tokens to its dialogue, then samples a reply per row.
+             params: SamplingParams, key: jax.Array | None = None) -> Completions:
+    """Appends each row's new tokens to its dialogue, then samples a continuation per row.
 
-    Row r draws with key(params.seed) folded with `row_ids[r]` (default r): give
-    rows global ids and their tokens do not depend on the batch they are in.
+    Row r draws its tokens with `key` folded with its row id (see `start`);
+    greedy decoding (temperature 0) needs no key.
     """
+    if key is None:
+      if params.temperature:
+        raise ValueError("sampling at temperature > 0 needs a key")
+      key = jax.random.key(0)  # drawn from by no row: greedy decoding takes the argmax
     if len(new_tokens) != convs.num_rows:
       raise ValueError(f"got {len(new_tokens)} token lists for {convs.num_rows} dialogues")
     for row, tokens in enumerate(new_tokens):
@@ -239,7 +274,7 @@ class Sampler:
       mask_bt[row, chunk - len(tokens):] = True
     done_b = np.arange(batch) >= convs.num_rows
     row_ids_b = np.zeros((batch,), np.int32)
-    row_ids_b[:convs.num_rows] = range(convs.num_rows) if row_ids is None else row_ids
+    row_ids_b[:convs.num_rows] = convs.row_ids
 
     with partitioning.mesh_context(self.mesh):
       logits_bv, convs.cache = self._prefill(
@@ -247,7 +282,7 @@ class Sampler:
           self._put(mask_bt, ("batch", None)))
       out_tokens, out_logprobs, lengths, stopped, convs.cache = self._decode(
           self.state, convs.cache, logits_bv, self._put(done_b, ("batch",)),
-          jax.random.key(params.seed), self._put(row_ids_b, ("batch",)),
+          key, self._put(row_ids_b, ("batch",)),
           jnp.float32(params.temperature or 1.0),
           jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens,
           greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
@@ -255,20 +290,22 @@ class Sampler:
     out_tokens, out_logprobs, lengths, stopped = jax.device_get(
         (out_tokens, out_logprobs, lengths, stopped))
     rows = range(convs.num_rows)
-    return SampleOutput(
+    convs.reply_ended = [bool(stopped[r]) for r in rows]
+    return Completions(
         tokens=[out_tokens[r, :lengths[r]].tolist() for r in rows],
         logprobs=[out_logprobs[r, :lengths[r]].tolist() for r in rows],
         stop_reasons=[STOP if stopped[r] else LENGTH for r in rows])
 
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               row_ids: Sequence[int] | None = None) -> SampleOutput:
+               key: jax.Array | None = None,
+               row_ids: Sequence[int] | None = None) -> Completions:
     """Samples one continuation per prompt (a fresh batch of one-turn dialogues)."""
     if not prompts:
-      return SampleOutput([], [], [])
+      return Completions([], [], [])
     longest = max(len(p) for p in prompts)
     convs = self.start(len(prompts), bucket_size(longest, self.min_chunk_bucket)
-                       + params.max_new_tokens)
-    return self.extend(convs, prompts, params, row_ids)
+                       + params.max_new_tokens, row_ids)
+    return self.extend(convs, prompts, params, key)
 
 
 def _prefill(graphdef, state, cache, tokens_bt, mask_bt):

@@ -76,7 +76,7 @@ def eval_rollout_config(config) -> rollout_lib.RolloutConfig:
 
 def simulated_user(config, mesh: Mesh | None) -> SimulatedUser:
   """The `sim_user` section's simulated user, after one health check (a dead one fails fast)."""
-  user = simulator_factory.make_simulated_user(config.sim_user, mesh)
+  user = simulator_factory.make_simulated_user(config.sim_user, mesh, seed=config.seed)
   user.check_health()
   return user
 

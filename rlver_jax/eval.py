@@ -29,6 +29,7 @@ from absl import logging
 from tqdm import tqdm
 
 from models.errors import RunStopped
+from rl import keys
 from rl import rollout as rollout_lib
 from rlver_jax import builder, cli, config_checks, multihost, run_config, sharding
 from rlver_jax import metrics as metrics_lib
@@ -162,7 +163,8 @@ def evaluate(config) -> dict:
       share = multihost.share_of(len(batch))  # this host's block of the batch
       mine = rollout_lib.collect(policy.sampler, policy.formatter, user,
                                  batch[share.start:share.stop], rollout_cfg,
-                                 seed=config.seed + start, first_profile=share.start
+                                 keys.batch(config.seed, keys.EVALUATION, start),
+                                 first_profile=share.start
                                  ) if share else None
       records = multihost.gather([sage_record(d) for d in mine.dialogues] if mine else [])
       turn_counts.update(multihost.sum_counts({
@@ -188,7 +190,8 @@ def evaluate(config) -> dict:
   records = [by_id[p.id] for p in profiles]
   _write_records(results_path, records + [r for r in by_id.values() if r["id"] not in selected])
   settings = {"checkpoint": config.policy.checkpoint, "profiles": config.eval.profiles,
-              "limit": e.limit, "rules": user.rules.name, "simulator": config.sim_user.backend,
+              "limit": e.limit, "rules": user.emotion_rules.name,
+              "simulator": config.sim_user.backend,
               "simulator_model": config.sim_user.model, "variant": config.sim_user.variant,
               "thinking": e.thinking, "system_prompt_setting": e.system_prompt,
               "system_prompt": rollout_cfg.system_prompt,

@@ -16,6 +16,7 @@ the reward curve to W/reward_curve.png, the final policy to W/export.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import time
 
@@ -30,6 +31,7 @@ from models.errors import RunStopped
 from rl import advantages as advantages_lib
 from rl import batch as batch_lib
 from rl import forward, learner
+from rl import keys
 from rl import rollout as rollout_lib
 from rlver_jax import builder, config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
@@ -91,10 +93,13 @@ class ProfileOrder:
     out = []
     while len(out) < count:
       epoch, offset = divmod(self.position, self.num_profiles)
-      order = np.random.RandomState(self.seed + epoch).permutation(self.num_profiles)
-      out.append(int(order[offset]))
+      out.append(int(self._order(epoch)[offset]))
       self.position += 1
     return out
+
+  @functools.lru_cache(maxsize=1)
+  def _order(self, epoch: int) -> np.ndarray:
+    return np.asarray(keys.profile_order(self.seed, epoch, self.num_profiles))
 
 
 def checkpoint_due(step: int, final_step: int, every: int, every_minutes: float,
@@ -198,7 +203,7 @@ class Trainer:
     self.models.sampler.update_weights(self.hosts.local_params(self.models.policy.params))
     rollout = rollout_lib.collect(self.models.sampler, self.models.formatter, self.user,
                                   chosen[share.start:share.stop], self.rollout_cfg,
-                                  seed=config.seed * 100_003 + step, first_profile=share.start)
+                                  keys.rollout_step(config.seed, step), first_profile=share.start)
     self.dialogue_log.observe(step, rollout.dialogues)
     sim_events = {key: count - sim_counts_before.get(key, 0)  # this step's simulator events
                   for key, count in self.user.metrics.items()}

@@ -9,7 +9,7 @@ from rl import batch as batch_lib
 from rl.batch import TrainBatch
 from rl.losses import LossConfig
 from models.errors import UserInputError
-from rl.rollout import Sample
+from rl.agent import Sample
 
 
 def numpy_gae(rewards, values, mask, gamma, lam):

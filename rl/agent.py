@@ -1,0 +1,219 @@
+"""The policy taking its turn in a batch of dialogues, between the rollout and the sampler.
+
+An agent renders each live dialogue as the policy sees it, samples one reply
+per dialogue, and keeps what training needs of them. Two strategies; the
+rollout picks one per batch (`rl.rollout.make_agent`):
+
+- `CachedDialogues` (non-thinking): one training sequence per dialogue, the
+  whole conversation, with the loss mask on the agent's own tokens (reply
+  content and `<|im_end|>`), not on the system prompt, user turns or role
+  headers. The dialogue's KV cache is kept between turns; each turn prefills
+  only the new user message and the next role header.
+- `ThinkingTurns`: the agent writes `<think>...</think>` then its reply; the
+  simulator sees the reply only (it strips the thoughts itself). Every agent
+  turn is its own sample (prompt = the dialogue so far, replies without their
+  thoughts; response = this turn's tokens), all sharing the dialogue's
+  reward; a turn that breaks the format gets `format_penalty_reward` instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+
+from models.chat import ChatFormatter
+from models.sampler import LENGTH, Completions, Sampler, SamplingParams
+from sim_user import dynamics
+from sim_user.simulator import Dialogue
+from sim_user.thinking import split_thinking
+
+
+@dataclasses.dataclass
+class Sample:
+  """One training sequence: token ids with per-token loss mask and sampling logprobs."""
+
+  tokens: list[int]  # [T]
+  loss_mask: list[int]  # [T]: 1 on tokens the agent generated
+  logprobs: list[float]  # [T]: sampling logprob on generated tokens, 0 elsewhere
+  reward: float  # the dialogue's score (GRPO normalises these within a group)
+  group: int  # samples of one profile share a group
+  dialogue: int  # index into Rollout.dialogues
+  token_rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+  # (index into tokens, reward): the final reward on the last generated token, or
+  # with reward="turn" each turn's emotion change on that turn's last token
+
+
+def agent_view(dialogue: Dialogue, system_prompt: str, raw_replies: bool) -> list[dict]:
+  """The chat messages the policy sees: its own replies as generated (`raw_replies`) or as the
+  simulator keeps them (thoughts stripped)."""
+  messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+  for m in dialogue.history:
+    content = m.get("raw_content", m["content"]) if raw_replies else m["content"]
+    messages.append({"role": m["role"], "content": content})
+  return messages
+
+
+class Agent:
+  """What both strategies share: the sampler, the decoding settings and the turn counts.
+
+  Dialogues are named by their index in the batch; `row_ids[i]` is dialogue
+  i's global id, which its sampling key is folded with.
+  """
+
+  def __init__(self, sampler: Sampler, formatter: ChatFormatter, system_prompt: str,
+               sampling: SamplingParams, row_ids: Sequence[int]):
+    self.sampler, self.formatter = sampler, formatter
+    self.system_prompt, self.sampling = system_prompt, sampling
+    self.row_ids = list(row_ids)
+    self.agent_tokens = [0] * len(self.row_ids)  # per dialogue: tokens the agent generated
+    self.generated_turns = 0
+    self.cut_off_turns = 0  # turns that hit max_new_tokens (stop reason LENGTH)
+
+  def act(self, dialogues: Sequence[Dialogue], live: Sequence[int], key: jax.Array) -> list[str]:
+    """One reply per live dialogue (in `live`'s order), thoughts included, stop token cut."""
+    raise NotImplementedError
+
+  def samples(self, dialogues: Sequence[Dialogue], groups: Sequence[int],
+              reward: str) -> list[Sample]:
+    """The training samples of the finished dialogues (none of a dropped one).
+
+    `groups[i]`: dialogue i's GRPO group; `reward`: "final" (the dialogue's
+    score) or "turn" (each agent turn's emotion change).
+    """
+    raise NotImplementedError
+
+  def metrics(self) -> dict:
+    return {"tokens/generated": int(sum(self.agent_tokens)),
+            "agent_turns/generated": self.generated_turns,
+            "agent_turns/cut_off": self.cut_off_turns,
+            "agent_turns/cut_off_rate": 100.0 * self.cut_off_turns / max(self.generated_turns, 1)}
+
+  def _count(self, live: Sequence[int], out: Completions) -> None:
+    for i, tokens, reason in zip(live, out.tokens, out.stop_reasons):
+      self.agent_tokens[i] += len(tokens)
+      self.generated_turns += 1
+      self.cut_off_turns += reason == LENGTH
+
+  def _texts(self, out: Completions) -> list[str]:
+    # Special tokens stay: <think> may be one, and the format check needs it.
+    return out.texts(self.formatter.tokenizer, skip_special_tokens=False)
+
+
+class _Sequence:
+  """Host-side bookkeeping of one dialogue's token stream."""
+
+  def __init__(self):
+    self.tokens, self.loss_mask, self.logprobs = [], [], []
+    self.turn_ends = []  # index of each agent turn's last token
+
+  def feed(self, tokens):
+    self.tokens += tokens
+    self.loss_mask += [0] * len(tokens)
+    self.logprobs += [0.0] * len(tokens)
+
+  def generated(self, tokens, logprobs):
+    self.tokens += tokens
+    self.loss_mask += [1] * len(tokens)
+    self.logprobs += list(logprobs)
+    self.turn_ends.append(len(self.tokens) - 1)
+
+
+class CachedDialogues(Agent):
+  """Non-thinking turns: each dialogue is one cache row and one training sequence."""
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    self._sequences = [_Sequence() for _ in self.row_ids]
+    self._convs = None  # started by the first turn
+    self._rows: list[int] = []  # the dialogue of each cache row
+
+  def act(self, dialogues, live, key):
+    if self._convs is None:
+      self._convs = self.sampler.start(len(live), row_ids=[self.row_ids[i] for i in live])
+    elif list(live) != self._rows:  # finished dialogues leave the cache
+      self.sampler.select(self._convs, [self._rows.index(i) for i in live])
+    self._rows = list(live)
+    feeds = [self._new_tokens(dialogues[i], row) for row, i in enumerate(live)]
+    out = self.sampler.extend(self._convs, feeds, self.sampling, key)
+    for i, feed, tokens, logprobs in zip(live, feeds, out.tokens, out.logprobs):
+      self._sequences[i].feed(feed)
+      self._sequences[i].generated(tokens, logprobs)
+    self._count(live, out)
+    return self._texts(out)
+
+  def _new_tokens(self, dialogue: Dialogue, row: int) -> list[int]:
+    """What the cache row lacks: the whole prompt at first, then the new user turn."""
+    view = agent_view(dialogue, self.system_prompt, raw_replies=True)
+    if not self._sequences[self._rows[row]].tokens:
+      return self.formatter.prompt_ids(view)
+    last_agent = max(k for k, m in enumerate(view) if m["role"] == "assistant")
+    return self.formatter.continuation_ids(view[:last_agent + 1], self._convs.reply_ended[row],
+                                           view[last_agent + 1:])
+
+  def samples(self, dialogues, groups, reward):
+    out = []
+    for i, (d, seq) in enumerate(zip(dialogues, self._sequences)):
+      if d.reward is None or not self.agent_tokens[i]:
+        continue
+      if reward == "turn":
+        token_rewards = list(zip(seq.turn_ends, dynamics.turn_rewards(d.emotions)))
+      else:
+        token_rewards = [(seq.turn_ends[-1], d.reward)]
+      out.append(Sample(tokens=seq.tokens, loss_mask=seq.loss_mask, logprobs=seq.logprobs,
+                        reward=d.reward, group=groups[i], dialogue=i,
+                        token_rewards=token_rewards))
+    return out
+
+
+@dataclasses.dataclass
+class _ThinkingTurn:
+  sample: Sample  # reward not yet known
+  turn: int  # the dialogue's agent turns before this one
+  well_formed: bool
+
+
+class ThinkingTurns(Agent):
+  """Thinking turns: each re-renders the dialogue without earlier thoughts and is its own sample."""
+
+  def __init__(self, *args, format_penalty_reward: float, **kwargs):
+    super().__init__(*args, **kwargs)
+    self.format_penalty_reward = format_penalty_reward
+    self._turns: list[_ThinkingTurn] = []
+
+  def act(self, dialogues, live, key):
+    prompts = [self.formatter.prompt_ids(agent_view(dialogues[i], self.system_prompt,
+                                                    raw_replies=False)) for i in live]
+    out = self.sampler.generate(prompts, self.sampling, key,
+                                row_ids=[self.row_ids[i] for i in live])
+    texts = self._texts(out)
+    for i, prompt, tokens, logprobs, text in zip(live, prompts, out.tokens, out.logprobs, texts):
+      sample = Sample(tokens=prompt + tokens, loss_mask=[0] * len(prompt) + [1] * len(tokens),
+                      logprobs=[0.0] * len(prompt) + list(logprobs), reward=0.0, group=0,
+                      dialogue=i)
+      self._turns.append(_ThinkingTurn(sample, dialogues[i].agent_turns,
+                                       split_thinking(text).well_formed))
+    self._count(live, out)
+    return texts
+
+  def samples(self, dialogues, groups, reward):
+    out = []
+    for turn in self._turns:
+      sample, d = turn.sample, dialogues[turn.sample.dialogue]
+      if d.reward is None:
+        continue  # dropped by the simulator
+      if not turn.well_formed:
+        value = self.format_penalty_reward
+      elif reward == "turn":
+        deltas = dynamics.turn_rewards(d.emotions)
+        value = deltas[turn.turn] if turn.turn < len(deltas) else 0.0
+      else:
+        value = d.reward
+      out.append(dataclasses.replace(sample, reward=value, group=groups[sample.dialogue],
+                                     token_rewards=[(len(sample.tokens) - 1, value)]))
+    return out
+
+  def metrics(self):
+    return {**super().metrics(), "format_ok_rate": 100.0 * float(
+        sum(t.well_formed for t in self._turns) / max(len(self._turns), 1))}
