@@ -2,10 +2,22 @@
 
 import os
 
+
+
+def fake_cpu_devices(count: int) -> str:
+  """XLA_FLAGS for `count` fake CPU devices.
+
+  XLA aborts the process when a collective's devices have not all joined it
+  within a timeout of its own; on a loaded 2-core machine the threads
+  of 8 fake devices can take longer than that, so the tests allow 15 minutes.
+  """
+  return (f"--xla_force_host_platform_device_count={count}"
+          " --xla_cpu_collective_call_terminate_timeout_seconds=900")
+
+
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
-                             " --xla_force_host_platform_device_count=8").strip()
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + fake_cpu_devices(8)).strip()
 
 import pytest  # noqa: E402
 

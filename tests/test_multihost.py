@@ -17,6 +17,7 @@ from rlver_jax import metrics as metrics_lib
 from rl.rollout import Rollout
 from rlver_jax import multihost, tiny
 from sim_user import profiles
+from tests.conftest import fake_cpu_devices
 from tests.test_multiprocess import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,7 +32,7 @@ def launch(workdir, processes: int, devices: int, *flags, heartbeat_s: int = 60,
   procs = []
   for pid in range(processes):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "RLVER_HEARTBEAT_TIMEOUT_S": str(heartbeat_s),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+           "XLA_FLAGS": fake_cpu_devices(devices)}
     if processes > 1:
       env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(processes),
                  JAX_PROCESS_ID=str(pid))
@@ -180,7 +181,7 @@ def test_an_error_on_one_host_stops_the_other_naming_it():
       stderr=subprocess.STDOUT,
       env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": coordinator,
            "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid), "RLVER_HEARTBEAT_TIMEOUT_S": "20",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}) for pid in range(2)]
+           "XLA_FLAGS": fake_cpu_devices(1)}) for pid in range(2)]
   try:
     outputs = [p.communicate(timeout=120)[0] for p in procs]
   finally:

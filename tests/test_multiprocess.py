@@ -8,6 +8,8 @@ import textwrap
 
 import pytest
 
+from tests.conftest import fake_cpu_devices
+
 WORKER = textwrap.dedent("""
     import jax, numpy as np
     from jax.experimental import multihost_utils
@@ -30,7 +32,7 @@ def test_processes_started_by_hand_form_one_group():
   for pid in range(2):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": coordinator,
            "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+           "XLA_FLAGS": fake_cpu_devices(2)}
     procs.append(subprocess.Popen([sys.executable, "-c", WORKER], env=env, text=True,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE))
   outputs = []  # (stdout, stderr): gloo writes to stderr, unsynchronised with our prints
