@@ -36,6 +36,16 @@ DEFAULT_RULES: dict[str, tuple[str, ...]] = {
 }
 
 
+def decode_rules(rules: Rules | None = None) -> dict:
+  """Rules for sampling weights: split over tensor only, whole on every data/fsdp shard,
+  so a decode step gathers no weights."""
+  rules = dict(DEFAULT_RULES if rules is None else rules)
+  batch_axes = set(_as_tuple(rules.get("batch")))
+  return {name: tuple(a for a in _as_tuple(axes) if a not in batch_axes and a != "fsdp")
+          if name not in ("batch", "seq", "cache_seq") else axes
+          for name, axes in rules.items()}
+
+
 def _as_tuple(axes) -> tuple[str, ...]:
   if axes is None:
     return ()
