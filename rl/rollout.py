@@ -28,13 +28,14 @@ from typing import Sequence
 import numpy as np
 
 from models.chat import ChatFormatter
-from models.sampler import LENGTH, STOP, Sampler, SamplingParams
+from models.sampler import STOP, Sampler, SamplingParams
 from sim_user import dynamics
 from sim_user.profiles import Profile
 from sim_user.simulator import Dialogue, SimulatedUser
 from sim_user.thinking import split_thinking
 
 TOKEN_BUDGET = "token_budget"
+ENGINES = ("continuous", "lockstep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,10 +50,15 @@ class RolloutConfig:
   top_p: float = 1.0
   top_k: int = 0
   reward: str = "final"  # or "turn": each agent turn gets its emotion change / 100
+  # continuous: rl.engine's continuous batching across turns; lockstep: every live
+  # dialogue's turn in one sampler call per round (the benchmark's baseline)
+  engine: str = "continuous"
 
   def __post_init__(self):
     if self.reward not in ("final", "turn"):
       raise ValueError(f"rollout reward {self.reward!r}; expected final or turn")
+    if self.engine not in ENGINES:
+      raise ValueError(f"rollout engine {self.engine!r}; expected one of {', '.join(ENGINES)}")
 
 
 @dataclasses.dataclass
@@ -106,6 +112,176 @@ def _agent_view(dialogue: Dialogue, system_prompt: str, raw_replies: bool) -> li
   return messages
 
 
+class Book:
+  """Host-side state of one batch of dialogues, whichever engine drives them.
+
+  An engine asks `feed(i)` for the tokens to prefill before dialogue i's next
+  agent turn, hands each finished reply to `take_reply` (which returns the
+  text for the simulator), and calls `after_user_turn(i)` once the simulator
+  answered; `rollout()` assembles the training samples and metrics.
+  """
+
+  def __init__(self, user: SimulatedUser, profiles: Sequence[Profile], config: RolloutConfig,
+               seed: int, first_profile: int):
+    self.start_time = time.perf_counter()
+    self.user, self.config, self.seed = user, config, seed
+    t0 = time.perf_counter()
+    openers = user.start(profiles)  # one opening per profile, shared by its group
+    self.sim_seconds = time.perf_counter() - t0
+    self.dialogues, self.groups = [], []
+    for group, opener in enumerate(openers):
+      for _ in range(config.samples_per_profile):
+        self.dialogues.append(copy.deepcopy(opener))
+        self.groups.append(first_profile + group)
+    self.sequences = [_Sequence() for _ in self.dialogues]
+    self.row_offset = first_profile * config.samples_per_profile  # global index of dialogue 0
+    self.thinking_samples: list[Sample] = []
+    # (dialogue, turn, well formed) per thinking sample
+    self.thinking_turns: list[tuple[int, int, bool]] = []
+    self.reply_ended = [True] * len(self.dialogues)
+    self.turns = [0] * len(self.dialogues)  # agent turns generated per dialogue
+    self.generated_turns, self.cut_off_turns = 0, 0  # cut off: stop reason "length"
+    # Engine figures: decode (and prefill) wall time, decoding row-steps, cache occupancy.
+    self.decode_seconds, self.row_steps = 0.0, 0
+    self.occupancy_sum, self.occupancy_weight = 0.0, 0
+
+  def live(self) -> list[int]:
+    return [i for i, d in enumerate(self.dialogues) if not d.done]
+
+  def params(self, i: int) -> SamplingParams:
+    """Dialogue i's sampling parameters for its next turn (keys follow its turn count)."""
+    config = self.config
+    return SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                          top_p=config.top_p, top_k=config.top_k,
+                          seed=self.seed * 1000 + self.turns[i])
+
+  def row_id(self, i: int) -> int:
+    return self.row_offset + i
+
+  def feed(self, formatter: ChatFormatter, i: int) -> list[int]:
+    """Tokens to prefill before dialogue i's next turn: in thinking mode the whole prompt
+    (thoughts hidden), else what follows the cache (all of it on the first turn)."""
+    d, system_prompt = self.dialogues[i], self.config.system_prompt
+    if self.config.thinking:
+      return formatter.prompt_ids(_agent_view(d, system_prompt, False))
+    view = _agent_view(d, system_prompt, True)
+    if not self.sequences[i].tokens:
+      feed = formatter.prompt_ids(view)
+    else:
+      last_agent = max(k for k, m in enumerate(view) if m["role"] == "assistant")
+      feed = formatter.continuation_ids(view[:last_agent + 1], self.reply_ended[i],
+                                        view[last_agent + 1:])
+    self.sequences[i].feed(feed)
+    return feed
+
+  def take_reply(self, formatter: ChatFormatter, i: int, tokens, logprobs, stopped: bool,
+                 prompt: Sequence[int]) -> str:
+    """Records dialogue i's reply (`prompt`: its thinking-mode prompt); returns its text."""
+    self.reply_ended[i] = stopped
+    self.generated_turns += 1
+    self.cut_off_turns += not stopped
+    self.turns[i] += 1
+    body = tokens[:-1] if stopped else tokens
+    # Special tokens stay: <think> may be one, and the format check needs it.
+    text = formatter.tokenizer.decode(body, skip_special_tokens=False)
+    if self.config.thinking:
+      prompt = list(prompt)
+      self.thinking_samples.append(Sample(
+          tokens=prompt + list(tokens), loss_mask=[0] * len(prompt) + [1] * len(tokens),
+          logprobs=[0.0] * len(prompt) + list(logprobs), reward=0.0, group=self.groups[i],
+          dialogue=i))
+      self.thinking_turns.append((i, self.dialogues[i].agent_turns,
+                                  split_thinking(text).well_formed))
+      self.sequences[i].agent_tokens += len(tokens)
+    else:
+      self.sequences[i].generated(list(tokens), logprobs)
+    return text  # in thinking mode the simulator strips the thoughts itself
+
+  def after_user_turn(self, i: int) -> None:
+    """The token budget rule, once dialogue i's user turn is in."""
+    d = self.dialogues[i]
+    if not d.done and self.sequences[i].agent_tokens >= self.config.max_dialogue_tokens:
+      d.end_reason = TOKEN_BUDGET
+
+  def count_decode(self, seconds: float, row_steps: int, tokens_held: int, slots: int) -> None:
+    """One decode call: its wall time, rows x steps, and tokens held / slots of its cache."""
+    self.decode_seconds += seconds
+    self.row_steps += row_steps
+    self.occupancy_sum += row_steps * tokens_held / max(slots, 1)
+    self.occupancy_weight += row_steps
+
+  def rollout(self) -> Rollout:
+    config, user, dialogues = self.config, self.user, self.dialogues
+    samples = []
+    if config.thinking:
+      # Turn by turn, dialogue by dialogue, whatever order the engine finished them in.
+      order = sorted(range(len(self.thinking_samples)),
+                     key=lambda k: (self.thinking_turns[k][1], self.thinking_turns[k][0]))
+      for k in order:
+        sample, (i, turn_index, well_formed) = self.thinking_samples[k], self.thinking_turns[k]
+        d = dialogues[i]
+        if d.reward is None:
+          continue  # dropped by the simulator
+        if not well_formed:
+          reward = config.format_penalty_reward
+        elif config.reward == "turn":
+          deltas = dynamics.turn_rewards(d.emotions)
+          reward = deltas[turn_index] if turn_index < len(deltas) else 0.0
+        else:
+          reward = d.reward
+        sample.reward = reward
+        sample.token_rewards = [(len(sample.tokens) - 1, reward)]
+        samples.append(sample)
+    else:
+      for i, (d, seq) in enumerate(zip(dialogues, self.sequences)):
+        if d.reward is None or not seq.agent_tokens:
+          continue
+        if config.reward == "turn":
+          token_rewards = list(zip(seq.turn_ends, dynamics.turn_rewards(d.emotions)))
+        else:
+          token_rewards = [(seq.turn_ends[-1], d.reward)]
+        samples.append(Sample(tokens=seq.tokens, loss_mask=seq.loss_mask, logprobs=seq.logprobs,
+                              reward=d.reward, group=self.groups[i], dialogue=i,
+                              token_rewards=token_rewards))
+
+    kept = [d for d in dialogues if not d.dropped]
+    finals = np.array([d.emotion for d in kept]) if kept else np.zeros(1)
+    response_lens = [sum(s.loss_mask) for s in samples] or [0]
+    wall = time.perf_counter() - self.start_time
+    generated = int(sum(seq.agent_tokens for seq in self.sequences))
+    metrics = {
+        "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
+        "emotion/final_mean": float(np.mean(finals)),
+        "success_rate": 100.0 * float(np.mean(finals >= 100)),
+        "failure_rate": 100.0 * float(np.mean([dynamics.is_failure(user.rules, e)
+                                               for e in finals])),
+        "turns/mean": float(np.mean([d.agent_turns for d in dialogues])),
+        "response_len/mean": float(np.mean(response_lens)),
+        "dialogues/simulator_failed": sum(1 for d in dialogues if d.failure and not d.dropped),
+        "dialogues/dropped": sum(1 for d in dialogues if d.dropped),
+        "time/rollout": wall,
+        "time/simulator": self.sim_seconds,
+        "tokens/generated": generated,
+        "agent_turns/generated": self.generated_turns,
+        "agent_turns/cut_off": self.cut_off_turns,
+        "agent_turns/cut_off_rate": 100.0 * self.cut_off_turns / max(self.generated_turns, 1),
+        # generated tokens / decoding row-steps (padding rows and finished rows' steps waste)
+        "rollout/slot_efficiency": generated / max(self.row_steps, 1),
+        # tokens held / cache slots of the decoding batch, averaged over row-steps
+        "rollout/cache_occupancy": self.occupancy_sum / max(self.occupancy_weight, 1),
+        "rollout/decode_s": self.decode_seconds,
+        "rollout/sim_wait_s": self.sim_seconds,
+        "rollout/tokens_per_s": generated / max(wall, 1e-9),
+    }
+    for intention in sorted({d.profile.intention for d in kept if d.profile.intention}):
+      metrics[f"emotion/final/{intention}"] = float(np.mean(
+          [d.emotion for d in kept if d.profile.intention == intention]))
+    if config.thinking:
+      metrics["format_ok_rate"] = 100.0 * float(np.mean(
+          [ok for *_, ok in self.thinking_turns] or [0]))
+    return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)
+
+
 def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
             profiles: Sequence[Profile], config: RolloutConfig, seed: int,
             first_profile: int = 0) -> Rollout:
@@ -113,135 +289,48 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
 
   `profiles` may be one host's share of a larger batch, starting at global
   profile `first_profile`: groups and sampling keys follow the global index, so
-  each dialogue is the same whichever host runs it.
+  each dialogue is the same whichever host runs it. `config.engine` picks the
+  engine; both give the same dialogues.
   """
-  start_time = time.perf_counter()
-  sim_seconds = 0.0
-  t0 = time.perf_counter()
-  openers = user.start(profiles)  # one opening per profile, shared by its group
-  sim_seconds += time.perf_counter() - t0
-  dialogues, groups = [], []
-  for group, opener in enumerate(openers):
-    for _ in range(config.samples_per_profile):
-      dialogues.append(copy.deepcopy(opener))
-      groups.append(first_profile + group)
+  book = Book(user, profiles, config, seed, first_profile)
+  if config.engine == "continuous":
+    from rl import engine  # engine builds on this module's Book
+    engine.run(sampler, formatter, book)
+  else:
+    _run_lockstep(sampler, formatter, book)
+  return book.rollout()
 
-  params = lambda turn: SamplingParams(
-      max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-      top_p=config.top_p, top_k=config.top_k, seed=seed * 1000 + turn)
-  sequences = [_Sequence() for _ in dialogues]
-  row_offset = first_profile * config.samples_per_profile  # global index of dialogue 0
-  thinking_samples: list[Sample] = []
-  thinking_turns: list[tuple[int, int, bool]] = []  # (dialogue, turn, well formed) per sample
-  live = [i for i, d in enumerate(dialogues) if not d.done]
+
+def _run_lockstep(sampler: Sampler, formatter: ChatFormatter, book: Book) -> None:
+  """Rounds: every live dialogue's agent turn in one sampler call, then every user turn in
+  one simulator call."""
+  config = book.config
+  live = book.live()
   convs = sampler.start(len(live)) if live and not config.thinking else None
-  reply_ended = [True] * len(dialogues)
-  generated_turns, cut_off_turns = 0, 0  # cut off: hit max_new_tokens (stop reason "length")
-  turn = 0
   while live:
-    if config.thinking:
-      prompts = [formatter.prompt_ids(_agent_view(dialogues[i], config.system_prompt, False))
-                 for i in live]
-      out = sampler.generate(prompts, params(turn), [row_offset + i for i in live])
-    else:
-      feeds = []
-      for i in live:
-        d = dialogues[i]
-        if not sequences[i].tokens:
-          feeds.append(formatter.prompt_ids(_agent_view(d, config.system_prompt, True)))
-        else:
-          view = _agent_view(d, config.system_prompt, True)
-          last_agent = max(k for k, m in enumerate(view) if m["role"] == "assistant")
-          feeds.append(formatter.continuation_ids(view[:last_agent + 1], reply_ended[i],
-                                                  view[last_agent + 1:]))
-      for i, feed in zip(live, feeds):
-        sequences[i].feed(feed)
-      out = sampler.extend(convs, feeds, params(turn), [row_offset + i for i in live])
-
-    replies = []
-    for row, i in enumerate(live):
-      tokens, logprobs, reason = out.tokens[row], out.logprobs[row], out.stop_reasons[row]
-      reply_ended[i] = reason == STOP
-      generated_turns += 1
-      cut_off_turns += reason == LENGTH
-      body = tokens[:-1] if reason == STOP else tokens
-      # Special tokens stay: <think> may be one, and the format check needs it.
-      text = formatter.tokenizer.decode(body, skip_special_tokens=False)
-      if config.thinking:
-        split = split_thinking(text)
-        thinking_samples.append(Sample(
-            tokens=prompts[row] + tokens, loss_mask=[0] * len(prompts[row]) + [1] * len(tokens),
-            logprobs=[0.0] * len(prompts[row]) + list(logprobs), reward=0.0, group=groups[i],
-            dialogue=i))
-        thinking_turns.append((i, dialogues[i].agent_turns, split.well_formed))
-        sequences[i].agent_tokens += len(tokens)
-        replies.append(text)  # the simulator strips the thoughts itself
-      else:
-        sequences[i].generated(tokens, logprobs)
-        replies.append(text)
-
+    feeds = [book.feed(formatter, i) for i in live]
+    params, row_ids = book.params(live[0]), [book.row_id(i) for i in live]
     t0 = time.perf_counter()
-    user.respond([dialogues[i] for i in live], replies)
-    sim_seconds += time.perf_counter() - t0
+    if config.thinking:
+      out = sampler.generate(feeds, params, row_ids)
+      batch, slots = sampler._batch_bucket(len(live)), max(len(f) for f in feeds)
+    else:
+      out = sampler.extend(convs, feeds, params, row_ids)
+      batch, slots = convs.batch_size, convs.capacity
+    steps = max(out.lengths)
+    held = sum(len(f) + n for f, n in zip(feeds, out.lengths)) if config.thinking else sum(
+        len(book.sequences[i].tokens) + n for i, n in zip(live, out.lengths))
+    book.count_decode(time.perf_counter() - t0, batch * steps, held, batch * (
+        slots + steps if config.thinking else slots))
+    replies = [book.take_reply(formatter, i, out.tokens[row], out.logprobs[row],
+                               out.stop_reasons[row] == STOP, feeds[row])
+               for row, i in enumerate(live)]
+    t0 = time.perf_counter()
+    book.user.respond([book.dialogues[i] for i in live], replies)
+    book.sim_seconds += time.perf_counter() - t0
     for i in live:
-      if not dialogues[i].done and sequences[i].agent_tokens >= config.max_dialogue_tokens:
-        dialogues[i].end_reason = TOKEN_BUDGET
-    still = [row for row, i in enumerate(live) if not dialogues[i].done]
+      book.after_user_turn(i)
+    still = [row for row, i in enumerate(live) if not book.dialogues[i].done]
     if still and convs is not None and len(still) < len(live):
       convs = sampler.select(convs, still)
     live = [live[row] for row in still]
-    turn += 1
-
-  samples = []
-  if config.thinking:
-    for sample, (i, turn_index, well_formed) in zip(thinking_samples, thinking_turns):
-      d = dialogues[i]
-      if d.reward is None:
-        continue  # dropped by the simulator
-      if not well_formed:
-        reward = config.format_penalty_reward
-      elif config.reward == "turn":
-        deltas = dynamics.turn_rewards(d.emotions)
-        reward = deltas[turn_index] if turn_index < len(deltas) else 0.0
-      else:
-        reward = d.reward
-      sample.reward = reward
-      sample.token_rewards = [(len(sample.tokens) - 1, reward)]
-      samples.append(sample)
-  else:
-    for i, (d, seq) in enumerate(zip(dialogues, sequences)):
-      if d.reward is None or not seq.agent_tokens:
-        continue
-      if config.reward == "turn":
-        token_rewards = list(zip(seq.turn_ends, dynamics.turn_rewards(d.emotions)))
-      else:
-        token_rewards = [(seq.turn_ends[-1], d.reward)]
-      samples.append(Sample(tokens=seq.tokens, loss_mask=seq.loss_mask, logprobs=seq.logprobs,
-                            reward=d.reward, group=groups[i], dialogue=i,
-                            token_rewards=token_rewards))
-
-  kept = [d for d in dialogues if not d.dropped]
-  finals = np.array([d.emotion for d in kept]) if kept else np.zeros(1)
-  response_lens = [sum(s.loss_mask) for s in samples] or [0]
-  metrics = {
-      "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
-      "emotion/final_mean": float(np.mean(finals)),
-      "success_rate": 100.0 * float(np.mean(finals >= 100)),
-      "failure_rate": 100.0 * float(np.mean([dynamics.is_failure(user.rules, e) for e in finals])),
-      "turns/mean": float(np.mean([d.agent_turns for d in dialogues])),
-      "response_len/mean": float(np.mean(response_lens)),
-      "dialogues/simulator_failed": sum(1 for d in dialogues if d.failure and not d.dropped),
-      "dialogues/dropped": sum(1 for d in dialogues if d.dropped),
-      "time/rollout": time.perf_counter() - start_time,
-      "time/simulator": sim_seconds,
-      "tokens/generated": int(sum(seq.agent_tokens for seq in sequences)),
-      "agent_turns/generated": generated_turns,
-      "agent_turns/cut_off": cut_off_turns,
-      "agent_turns/cut_off_rate": 100.0 * cut_off_turns / max(generated_turns, 1),
-  }
-  for intention in sorted({d.profile.intention for d in kept if d.profile.intention}):
-    metrics[f"emotion/final/{intention}"] = float(np.mean(
-        [d.emotion for d in kept if d.profile.intention == intention]))
-  if config.thinking:
-    metrics["format_ok_rate"] = 100.0 * float(np.mean([ok for *_, ok in thinking_turns] or [0]))
-  return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)
