@@ -1,4 +1,9 @@
-"""The row-level sampler (per-row cache lengths, chunked decoding) against the batch sampler."""
+"""The row-level sampler against the batch sampler; the continuous rollout engine against
+the lockstep one."""
+
+import collections
+import dataclasses
+import time
 
 import jax
 import jax.numpy as jnp
@@ -7,6 +12,13 @@ import pytest
 
 from models import qwen2
 from models.sampler import Sampler, SamplingParams, row_bucket_sizes
+from rl import rollout as rollout_lib
+from rlver_jax import policy as policy_lib
+from rlver_jax import tiny
+from sim_user import dynamics, profiles, templates
+from sim_user.backends.base import BackendError
+from sim_user.backends.scripted import ScriptedBackend
+from sim_user.simulator import SimulatedUser
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
@@ -121,3 +133,92 @@ def with_state(model, state):
   from flax import nnx
   graphdef, _ = nnx.split(model)
   return nnx.merge(graphdef, state)
+
+
+# The continuous engine against the lockstep one, on a tiny chat model and the scripted user.
+
+@pytest.fixture(scope="module")
+def chat_policy(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("engine_policy"))
+  tiny.write_checkpoint(path, seed=3)
+  policy = policy_lib.load_policy(path)
+  # Larger random weights than the checkpoint's, so greedy replies do not repeat one token;
+  # 40 of the 1024 tokens also end a reply, so replies end at different lengths, by stop
+  # token or by budget, and dialogues at different turns.
+  config = dataclasses.replace(policy.model.config, initializer_range=0.3)
+  stops = list(policy.sampler.stop_token_ids) + list(range(100, 140))
+  sampler = Sampler(qwen2.init_random(config, seed=3), stop_token_ids=stops,
+                    pad_id=policy.sampler.pad_id, decode_chunk_steps=4)
+  return sampler, policy.formatter, profiles.load_profiles(profiles.DEMO_PROFILES)[:3]
+
+
+def make_user(backend=None):
+  return SimulatedUser(backend or ScriptedBackend(), dynamics.RLVER_TRAIN,
+                       templates.PromptSet.load(language="en", variant="vanilla"))
+
+
+def both_engines(chat_policy, user_factory=make_user, **config):
+  sampler, formatter, demo = chat_policy
+  config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=0.0, **config)
+  return [rollout_lib.collect(sampler, formatter, user_factory(), demo, dataclasses.replace(
+      config, engine=engine), seed=1) for engine in ("lockstep", "continuous")]
+
+
+def assert_same_rollouts(lockstep, continuous):
+  assert [d.history for d in continuous.dialogues] == [d.history for d in lockstep.dialogues]
+  assert [d.end_reason for d in continuous.dialogues] == [d.end_reason for d in lockstep.dialogues]
+  for a, b in zip(lockstep.samples, continuous.samples, strict=True):
+    assert (b.tokens, b.loss_mask, b.group, b.dialogue, b.reward, b.token_rewards) == (
+        a.tokens, a.loss_mask, a.group, a.dialogue, a.reward, a.token_rewards)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+
+
+def test_continuous_dialogues_equal_lockstep_turn_for_turn(chat_policy):
+  # GRPO groups of 2, per-turn rewards, a token budget that ends dialogues at different turns.
+  lockstep, continuous = both_engines(chat_policy, samples_per_profile=2, reward="turn",
+                                      max_dialogue_tokens=20)
+  assert_same_rollouts(lockstep, continuous)
+  assert len({d.agent_turns for d in lockstep.dialogues}) > 1, [
+      (sum(s.loss_mask), s.token_rewards) for s in lockstep.samples]
+  assert 0 < lockstep.metrics["agent_turns/cut_off"] < lockstep.metrics["agent_turns/generated"]
+  assert continuous.metrics["rollout/slot_efficiency"] == 1.0  # no padding row, no tail
+  assert lockstep.metrics["rollout/slot_efficiency"] < 1.0
+
+
+def test_continuous_thinking_turns_equal_lockstep(chat_policy):
+  lockstep, continuous = both_engines(chat_policy, thinking=True, max_dialogue_tokens=30)
+  assert_same_rollouts(lockstep, continuous)
+  assert len(lockstep.samples) == lockstep.metrics["agent_turns/generated"]
+
+
+class SlowForOne(ScriptedBackend):
+  """A server-like backend (has max_concurrency): one profile's calls hang, then fail."""
+
+  max_concurrency = 4
+
+  def __init__(self, slow_profile, seconds):
+    self.slow_profile, self.seconds, self.finished_at = slow_profile, seconds, {}
+
+  def complete(self, requests):
+    if any(r.profile.id == self.slow_profile for r in requests):
+      time.sleep(self.seconds)
+      return [BackendError("timeout") for _ in requests]
+    out = super().complete(requests)
+    for r in requests:
+      self.finished_at[r.profile.id] = time.perf_counter()
+    return out
+
+
+def test_a_slow_failing_simulator_call_does_not_hold_up_other_dialogues(chat_policy):
+  sampler, formatter, demo = chat_policy
+  config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=0.0, max_dialogue_tokens=30)
+  backend = SlowForOne(demo[0].id, seconds=0)
+  rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, seed=1)  # compiles
+  backend.seconds = 4.0
+  start = time.perf_counter()
+  rollout = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, seed=1)
+  slow, *others = rollout.dialogues
+  assert slow.end_reason == "simulator_error" and slow.agent_turns == 1
+  assert all(d.agent_turns > 1 and d.end_reason != "simulator_error" for d in others)
+  # The others' dialogues ran to their end while the slow call hung.
+  assert max(backend.finished_at[d.profile.id] for d in others) - start < backend.seconds
