@@ -15,14 +15,18 @@ A `Conversations` object is the device state of a batch of dialogues. Each
 `extend` call prefills only the new tokens of every row (the user's reply and
 the next role header) after what the cache already holds, then decodes; a
 dialogue of T turns never re-prefills its history. `select` keeps a subset
-of rows (finished dialogues drop out) by gathering their cache rows.
+of rows (finished dialogues drop out) by gathering their cache rows. Both
+update the `Conversations` in place: its cache is donated to every call.
+
+Every call returns `Completions`, one continuation per row; a training
+sequence (`rl.agent.Sample`) is built from them by the agent.
 
 A `RowBatch` is the device state of dialogues handled one row at a time
 (continuous batching): a per-row-length cache (each row holds its own
 tokens contiguously, see `KVCache`) and each row's next-token logits.
 `prefill_rows` writes new tokens into chosen rows at their own offsets;
 `decode_rows` runs one jitted chunk of at most `decode_chunk_steps` steps for
-chosen rows (per-row token budgets, seeds and stop tokens) and hands back
+chosen rows (per-row token budgets, keys and stop tokens) and hands back
 what each produced. Rows not chosen keep their cache and cost nothing: a call
 gathers its rows into a small batch, runs, and scatters them back. Row
 counts are padded to `row_bucket` sizes, token counts to powers of two.
@@ -33,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Sequence
 
 import jax
@@ -54,7 +59,6 @@ class SamplingParams:
   temperature: float = 1.0  # 0: greedy
   top_k: int = 0  # 0: off
   top_p: float = 1.0  # 1: off
-  seed: int = 0
 
   def __post_init__(self):
     if self.max_new_tokens < 1:
@@ -68,16 +72,55 @@ class SamplingParams:
 
 
 @dataclasses.dataclass
-class SampleOutput:
-  """One entry per prompt row. Token lists include the stop token when one was hit."""
+class Completions:
+  """The sampler's output: one continuation per row, in row order."""
 
-  tokens: list[list[int]]
-  logprobs: list[list[float]]
-  stop_reasons: list[str]
+  tokens: list[list[int]]  # [rows][new tokens]: all the cache now holds, the stop token included
+  logprobs: list[list[float]]  # [rows][new tokens]: each token's sampling logprob
+  stop_reasons: list[str]  # [rows]: STOP (a stop token ends `tokens`) or LENGTH (max_new_tokens)
 
   @property
   def lengths(self) -> list[int]:
     return [len(t) for t in self.tokens]
+
+  @property
+  def ended(self) -> list[bool]:
+    """Per row: the continuation ended on a stop token (it was not cut at max_new_tokens)."""
+    return [reason == STOP for reason in self.stop_reasons]
+
+  def texts(self, tokenizer, skip_special_tokens: bool = False) -> list[str]:
+    """Each row's text without its stop token."""
+    return [tokenizer.decode(tokens[:-1] if ended else tokens,
+                             skip_special_tokens=skip_special_tokens)
+            for tokens, ended in zip(self.tokens, self.ended)]
+
+
+@dataclasses.dataclass
+class DecodeStats:
+  """What a sampler's calls did, summed from its start (subtract two copies for a span)."""
+
+  seconds: float = 0.0  # wall time of prefill and decode calls, results fetched
+  row_steps: int = 0  # decoding rows, padding included, x decode steps run
+  tokens: int = 0  # tokens drawn for real rows
+  occupancy: float = 0.0  # over decode calls, sum of row_steps x (tokens held / cache slots)
+
+  def add(self, seconds: float, rows: int, steps: int, tokens: int, held: int,
+          slots: int) -> None:
+    self.seconds += seconds
+    self.row_steps += rows * steps
+    self.tokens += tokens
+    self.occupancy += rows * steps * held / max(slots, 1)
+
+  def since(self, earlier: "DecodeStats") -> "DecodeStats":
+    return DecodeStats(*(getattr(self, f.name) - getattr(earlier, f.name)
+                         for f in dataclasses.fields(self)))
+
+  def metrics(self) -> dict:
+    """`rollout/` figures of a span: slot efficiency (tokens / row-steps), cache occupancy of
+    the decoding batch (averaged over row-steps) and decode time."""
+    return {"rollout/slot_efficiency": self.tokens / max(self.row_steps, 1),
+            "rollout/cache_occupancy": self.occupancy / max(self.row_steps, 1),
+            "rollout/decode_s": self.seconds}
 
 
 @dataclasses.dataclass
@@ -115,10 +158,15 @@ class RowChunk:
 
 @dataclasses.dataclass
 class Conversations:
-  """Device state of a batch of dialogues: the KV cache and how many rows are real."""
+  """Device state of a batch of dialogues: the KV cache and what each real row is."""
 
   cache: KVCache
-  num_rows: int
+  row_ids: list[int]  # [rows]: each real row's id, folded into its sampling key
+  reply_ended: list[bool]  # [rows]: the row's last continuation ended on a stop token
+
+  @property
+  def num_rows(self) -> int:
+    return len(self.row_ids)
 
   @property
   def batch_size(self) -> int:
@@ -215,6 +263,7 @@ class Sampler:
     self.min_cache_bucket = min_cache_bucket
     self.decode_chunk_steps = decode_chunk_steps
     self.sampling_dtype = None if sampling_dtype is None else jnp.dtype(sampling_dtype)
+    self.stats = DecodeStats()
     self._cast = None
     self.state = None
     if self.sampling_dtype is not None:
@@ -279,12 +328,22 @@ class Sampler:
 
   # Conversations.
 
-  def start(self, num_rows: int, capacity: int = 0) -> Conversations:
-    """An empty batch of `num_rows` dialogues (capacity grows on demand)."""
+  def start(self, num_rows: int, capacity: int = 0,
+            row_ids: Sequence[int] | None = None) -> Conversations:
+    """An empty batch of `num_rows` dialogues (capacity grows on demand).
+
+    Row r draws its tokens with the call's key folded with `row_ids[r]`
+    (default r): give rows global ids and their tokens do not depend on the
+    batch they are in.
+    """
+    row_ids = list(range(num_rows) if row_ids is None else row_ids)
+    if len(row_ids) != num_rows:
+      raise ValueError(f"{len(row_ids)} row ids for {num_rows} rows")
     batch = self._batch_bucket(num_rows)
     slots = bucket_size(capacity, self.min_cache_bucket)
     cache = KVCache.init(self.config, batch, slots, self.cache_dtype)
-    return Conversations(cache=self._place_cache(cache), num_rows=num_rows)
+    return Conversations(cache=self._place_cache(cache), row_ids=row_ids,
+                         reply_ended=[True] * num_rows)
 
   def _grow(self, convs: Conversations, needed_slots: int) -> None:
     slots = bucket_size(needed_slots, self.min_cache_bucket)
@@ -296,7 +355,7 @@ class Sampler:
         kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
         length=cache.length))
 
-  def select(self, convs: Conversations, rows: Sequence[int]) -> Conversations:
+  def select(self, convs: Conversations, rows: Sequence[int]) -> None:
     """Keeps the given rows, in that order, in a batch of the smallest bucket."""
     rows = list(rows)
     if not rows:
@@ -309,15 +368,21 @@ class Sampler:
     cache = KVCache(k=cache.k[:, index], v=cache.v[:, index],
                     kv_positions_bs=cache.kv_positions_bs[index], length=cache.length)
     # Filler rows duplicate a real row; they are marked done and never read.
-    return Conversations(cache=self._place_cache(cache), num_rows=len(rows))
+    convs.cache = self._place_cache(cache)
+    convs.row_ids = [convs.row_ids[r] for r in rows]
+    convs.reply_ended = [convs.reply_ended[r] for r in rows]
 
   def extend(self, convs: Conversations, new_tokens: Sequence[Sequence[int]],
-             params: SamplingParams, row_ids: Sequence[int] | None = None) -> SampleOutput:
-    """Appends each row's new tokens to its dialogue, then samples a reply per row.
+             params: SamplingParams, key: jax.Array | None = None) -> Completions:
+    """Appends each row's new tokens to its dialogue, then samples a continuation per row.
 
-    Row r draws with key(params.seed) folded with `row_ids[r]` (default r): give
-    rows global ids and their tokens do not depend on the batch they are in.
+    Row r draws its tokens with `key` folded with its row id (see `start`);
+    greedy decoding (temperature 0) needs no key.
     """
+    if key is None:
+      if params.temperature:
+        raise ValueError("sampling at temperature > 0 needs a key")
+      key = jax.random.key(0)  # drawn from by no row: greedy decoding takes the argmax
     if len(new_tokens) != convs.num_rows:
       raise ValueError(f"got {len(new_tokens)} token lists for {convs.num_rows} dialogues")
     for row, tokens in enumerate(new_tokens):
@@ -336,36 +401,41 @@ class Sampler:
       mask_bt[row, chunk - len(tokens):] = True
     done_b = np.arange(batch) >= convs.num_rows
     row_ids_b = np.zeros((batch,), np.int32)
-    row_ids_b[:convs.num_rows] = range(convs.num_rows) if row_ids is None else row_ids
+    row_ids_b[:convs.num_rows] = convs.row_ids
 
+    start = time.perf_counter()
     with partitioning.mesh_context(self.mesh):
       logits_bv, convs.cache = self._prefill(
           self.state, convs.cache, self._put(tokens_bt, ("batch", None)),
           self._put(mask_bt, ("batch", None)))
-      out_tokens, out_logprobs, lengths, stopped, convs.cache = self._decode(
+      out_tokens, out_logprobs, lengths, stopped, held, convs.cache = self._decode(
           self.state, convs.cache, logits_bv, self._put(done_b, ("batch",)),
-          jax.random.key(params.seed), self._put(row_ids_b, ("batch",)),
+          key, self._put(row_ids_b, ("batch",)),
           jnp.float32(params.temperature or 1.0),
           jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens,
           greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
 
-    out_tokens, out_logprobs, lengths, stopped = jax.device_get(
-        (out_tokens, out_logprobs, lengths, stopped))
+    out_tokens, out_logprobs, lengths, stopped, held = jax.device_get(
+        (out_tokens, out_logprobs, lengths, stopped, held))
     rows = range(convs.num_rows)
-    return SampleOutput(
+    self.stats.add(time.perf_counter() - start, batch, int(max(lengths[r] for r in rows)),
+                   int(sum(lengths[r] for r in rows)), int(held), batch * convs.capacity)
+    convs.reply_ended = [bool(stopped[r]) for r in rows]
+    return Completions(
         tokens=[out_tokens[r, :lengths[r]].tolist() for r in rows],
         logprobs=[out_logprobs[r, :lengths[r]].tolist() for r in rows],
         stop_reasons=[STOP if stopped[r] else LENGTH for r in rows])
 
   def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams,
-               row_ids: Sequence[int] | None = None) -> SampleOutput:
+               key: jax.Array | None = None,
+               row_ids: Sequence[int] | None = None) -> Completions:
     """Samples one continuation per prompt (a fresh batch of one-turn dialogues)."""
     if not prompts:
-      return SampleOutput([], [], [])
+      return Completions([], [], [])
     longest = max(len(p) for p in prompts)
     convs = self.start(len(prompts), bucket_size(longest, self.min_chunk_bucket)
-                       + params.max_new_tokens)
-    return self.extend(convs, prompts, params, row_ids)
+                       + params.max_new_tokens, row_ids)
+    return self.extend(convs, prompts, params, key)
 
   # Rows, one dialogue at a time.
 
@@ -425,27 +495,31 @@ class Sampler:
       tokens_kt[k, :len(tokens)] = tokens  # right-padded: the row's tokens stay contiguous
       mask_kt[k, :len(tokens)] = True
     restart_k = np.full(len(index), restart)
+    start = time.perf_counter()
     with partitioning.mesh_context(self.mesh):
       rb.cache, rb.logits_bv = self._prefill_rows(
           self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
           self._put(tokens_kt, ("batch", None)), self._put(mask_kt, ("batch", None)),
           self._put(restart_k, ("batch",)))
+      jax.block_until_ready(rb.logits_bv)
+    self.stats.seconds += time.perf_counter() - start
     for r, tokens in zip(rows, new_tokens):
       rb.lengths[r] += len(tokens)
 
   def decode_rows(self, rb: RowBatch, rows: Sequence[int], budgets: Sequence[int],
-                  params: SamplingParams, seeds: Sequence[int], row_ids: Sequence[int],
-                  offsets: Sequence[int], steps: int | None = None,
+                  params: SamplingParams, keys: Sequence[jax.Array] | None,
+                  row_ids: Sequence[int], offsets: Sequence[int], steps: int | None = None,
                   stop_after_finished: int = 0) -> RowChunk:
     """Decodes up to `steps` (default `decode_chunk_steps`) tokens for each given row.
 
     A row stops at a stop token or after `budgets[r]` tokens. Row r draws step
-    i of its reply with key(seeds[r]) folded with row_ids[r], then with
-    offsets[r] + i (offsets: tokens of this reply drawn by earlier chunks), so
-    its tokens equal `extend`'s with the same seed and row id, whatever the
-    chunking. `stop_after_finished` > 0 ends the chunk early once that many
-    rows finished (their places can then be refilled).
+    i of its reply with keys[r] folded with row_ids[r], then with offsets[r] + i
+    (offsets: tokens of this reply drawn by earlier chunks), so its tokens
+    equal `extend`'s with the same key and row id, whatever the chunking;
+    greedy decoding needs no keys. `stop_after_finished` > 0 ends the chunk
+    early once that many rows finished (their places can then be refilled).
     """
+    start = time.perf_counter()
     steps = steps or self.decode_chunk_steps
     if any(b < 1 for b in budgets):
       raise ValueError(f"budgets {list(budgets)}: every row needs at least one token")
@@ -454,10 +528,15 @@ class Sampler:
     width, n = len(index), len(rows)
     pad = lambda values: np.concatenate([np.asarray(values, np.int32),
                                          np.zeros(width - n, np.int32)])
+    if keys is None:
+      if params.temperature:
+        raise ValueError("sampling at temperature > 0 needs keys")
+      keys = [jax.random.key(0)] * n  # drawn from by no row: greedy decoding takes the argmax
+    keys_k = jnp.stack(list(keys) + [keys[0]] * (width - n))
     with partitioning.mesh_context(self.mesh):
       out = self._decode_rows(
           self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
-          self._put(pad(budgets), ("batch",)), self._put(pad(seeds), ("batch",)),
+          self._put(pad(budgets), ("batch",)), self._put(keys_k, ("batch",)),
           self._put(pad(row_ids), ("batch",)), self._put(pad(offsets), ("batch",)),
           jnp.float32(params.temperature or 1.0), jnp.float32(params.top_p),
           jnp.int32(stop_after_finished or width + 1), steps=steps,
@@ -468,6 +547,8 @@ class Sampler:
     finished = [bool(stopped_k[k]) or counts_k[k] >= budgets[k] for k in range(n)]
     for k, r in enumerate(rows):
       rb.lengths[r] += int(counts_k[k])
+    self.stats.add(time.perf_counter() - start, width, int(steps_run), int(counts_k[:n].sum()),
+                   int(rb.lengths[list(rows)].sum()), width * rb.capacity)
     return RowChunk(tokens=[tokens_kn[k, :counts_k[k]].tolist() for k in range(n)],
                     logprobs=[logprobs_kn[k, :counts_k[k]].tolist() for k in range(n)],
                     finished=finished, stopped=[bool(stopped_k[k]) for k in range(n)],
@@ -503,7 +584,7 @@ def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt
 
 
 def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, index_k, budget_k,
-                 seed_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
+                 key_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
                  greedy, top_k, use_top_p):
   """One chunk of `_decode` steps on the gathered rows, written back at the end.
 
@@ -513,8 +594,7 @@ def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, inde
   rows, row_logits_kv = _gather_rows(cache, logits_bv, index_k)
   width = index_k.shape[0]
   stop_ids = jnp.asarray(stop_token_ids, jnp.int32)
-  row_keys_k = jax.vmap(lambda seed, row: jax.random.fold_in(jax.random.key(seed), row))(
-      seed_k, row_id_k)
+  row_keys_k = jax.vmap(jax.random.fold_in)(key_k, row_id_k)
   done_k = budget_k <= 0
 
   def cond(carry):
@@ -598,4 +678,5 @@ def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, k
            jnp.zeros((batch,), jnp.bool_), done_b, logits_bv, cache)
   _, tokens_bn, logprobs_bn, lengths_b, stopped_b, _, _, cache = jax.lax.while_loop(
       cond, body, carry)
-  return tokens_bn, logprobs_bn, lengths_b, stopped_b, cache
+  held = jnp.sum((cache.kv_positions_bs >= 0) & ~done_b[:, None])  # real rows' tokens
+  return tokens_bn, logprobs_bn, lengths_b, stopped_b, held, cache

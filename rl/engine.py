@@ -18,9 +18,11 @@ turns run in a bounded thread pool while decoding goes on; an in-process one
 (scripted, Flax) answers the finished replies between chunks. Only when no
 dialogue can decode does the host wait, for the first user turn to come back.
 
-Each dialogue draws its turn-t reply with the same seed and row id as the
-lockstep engine, so greedy dialogues are the same token for token, and
-sampled ones the same in distribution (and in tokens, on equal arithmetic).
+The agent (`rl.agent`) says what each dialogue's row needs and keeps each
+finished turn, one dialogue at a time. Dialogue i draws its turn-t reply
+with the same key (the turn's, folded with its row id) as the lockstep
+engine, so greedy dialogues are the same token for token, and sampled ones
+the same in distribution (and in tokens, on equal arithmetic).
 """
 
 from __future__ import annotations
@@ -28,18 +30,25 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
+from typing import Callable, Sequence
 
-from models.chat import ChatFormatter
+import jax
+
 from models.sampler import Sampler, row_bucket_sizes
-from rl.rollout import Book
+from rl.agent import Agent
+from rl.rollout import RolloutConfig, end_if_over_budget
+from sim_user.simulator import Dialogue, SimulatedUser
 
 
-def run(sampler: Sampler, formatter: ChatFormatter, book: Book) -> None:
-  """Drives every dialogue of `book` to its end."""
-  pool_size = getattr(book.user.backend, "max_concurrency", 0)
+def run(sampler: Sampler, agent: Agent, user: SimulatedUser, dialogues: Sequence[Dialogue],
+        config: RolloutConfig, turn_key: Callable[[int], jax.Array]) -> float:
+  """Drives every dialogue to its end; returns the time spent waiting only for the simulator."""
+  pool_size = getattr(user.backend, "max_concurrency", 0)
   pool = concurrent.futures.ThreadPoolExecutor(pool_size) if pool_size else None
   try:
-    _Engine(sampler, formatter, book, pool).run()
+    engine = _Engine(sampler, agent, user, dialogues, config, turn_key, pool)
+    engine.run()
+    return engine.sim_seconds
   finally:
     if pool is not None:
       pool.shutdown(wait=True, cancel_futures=True)
@@ -47,16 +56,17 @@ def run(sampler: Sampler, formatter: ChatFormatter, book: Book) -> None:
 
 class _Engine:
 
-  def __init__(self, sampler: Sampler, formatter: ChatFormatter, book: Book, pool):
-    self.sampler, self.formatter, self.book, self.pool = sampler, formatter, book, pool
-    self.config = book.config
-    self.rows = sampler.start_rows(len(book.dialogues))
-    self.ready = collections.deque(book.live())  # need a prefill
+  def __init__(self, sampler, agent, user, dialogues, config, turn_key, pool):
+    self.sampler, self.agent, self.user, self.pool = sampler, agent, user, pool
+    self.dialogues, self.config, self.turn_key = dialogues, config, turn_key
+    self.rows = sampler.start_rows(len(dialogues))
+    self.turns = [0] * len(dialogues)  # agent turns taken per dialogue
+    self.ready = collections.deque(i for i, d in enumerate(dialogues) if not d.done)
     self.decoding = collections.deque()  # prefilled, reply in progress; longest-waiting first
-    self.replies = {}  # dialogue -> (tokens, logprobs) of the reply in progress
-    self.prompts = {}  # dialogue -> thinking-mode prompt of the reply in progress
+    self.replies = {}  # dialogue -> (tokens fed, tokens drawn, logprobs) of the turn in progress
     self.with_user = {}  # future -> dialogue, with a server-backed simulator
     self.answered = []  # (dialogue, reply text) for an in-process simulator, between chunks
+    self.sim_seconds = 0.0
 
   def run(self) -> None:
     while self.ready or self.decoding or self.with_user or self.answered:
@@ -73,16 +83,15 @@ class _Engine:
     if self.pool is None:
       self.answered.append((i, text))
     else:
-      future = self.pool.submit(self.book.user.respond, [self.book.dialogues[i]], [text])
-      self.with_user[future] = i
+      self.with_user[self.pool.submit(self.user.respond, [self.dialogues[i]], [text])] = i
 
   def _answer_in_process(self) -> None:
     if not self.answered:
       return
     t0 = time.perf_counter()
-    self.book.user.respond([self.book.dialogues[i] for i, _ in self.answered],
-                           [text for _, text in self.answered])
-    self.book.sim_seconds += time.perf_counter() - t0
+    self.user.respond([self.dialogues[i] for i, _ in self.answered],
+                      [text for _, text in self.answered])
+    self.sim_seconds += time.perf_counter() - t0
     for i, _ in self.answered:
       self._user_turn_done(i)
     self.answered = []
@@ -91,18 +100,17 @@ class _Engine:
     if not self.with_user:
       return
     t0 = time.perf_counter()
-    done, _ = concurrent.futures.wait(
-        list(self.with_user), timeout=None if block else 0,
-        return_when=concurrent.futures.FIRST_COMPLETED)
+    done, _ = concurrent.futures.wait(list(self.with_user), timeout=None if block else 0,
+                                      return_when=concurrent.futures.FIRST_COMPLETED)
     if block:
-      self.book.sim_seconds += time.perf_counter() - t0
+      self.sim_seconds += time.perf_counter() - t0
     for future in done:
       future.result()  # respond never raises for a failed call; anything else is a bug
       self._user_turn_done(self.with_user.pop(future))
 
   def _user_turn_done(self, i: int) -> None:
-    self.book.after_user_turn(i)
-    if not self.book.dialogues[i].done:
+    end_if_over_budget(self.dialogues[i], self.agent.agent_tokens[i], self.config)
+    if not self.dialogues[i].done:
       self.ready.append(i)
 
   # Device.
@@ -110,43 +118,35 @@ class _Engine:
   def _prefill(self) -> None:
     rows = list(self.ready)
     self.ready.clear()
-    feeds = [self.book.feed(self.formatter, i) for i in rows]
-    t0 = time.perf_counter()
-    limit = self.sampler.row_bucket(len(self.book.dialogues))
+    feeds = [self.agent.next_tokens(self.dialogues[i], i) for i in rows]
+    limit = self.sampler.row_bucket(len(self.dialogues))
     for start in range(0, len(rows), limit):
       self.sampler.prefill_rows(self.rows, rows[start:start + limit], feeds[start:start + limit],
-                                reserve=self.config.max_new_tokens, restart=self.config.thinking)
-    self.book.decode_seconds += time.perf_counter() - t0
+                                reserve=self.config.max_new_tokens,
+                                restart=self.agent.restarts_rows)
     for i, feed in zip(rows, feeds):
-      self.replies[i] = ([], [])
-      if self.config.thinking:
-        self.prompts[i] = feed
+      self.replies[i] = (feed, [], [])
       self.decoding.append(i)
 
   def _decode_chunk(self) -> None:
-    sampler, book = self.sampler, self.book
+    sampler, agent = self.sampler, self.agent
+    # The largest compiled width the decoding dialogues fill: no padding row.
     sizes = [s for s in row_bucket_sizes(len(self.decoding), sampler.data_parallel_size())
              if s <= len(self.decoding)]
-    width = sizes[-1] if sizes else len(self.decoding)
-    chosen = [self.decoding.popleft() for _ in range(min(width, len(self.decoding)))]
-    drawn = [len(self.replies[i][0]) for i in chosen]
-    t0 = time.perf_counter()
+    chosen = [self.decoding.popleft() for _ in range(sizes[-1] if sizes else len(self.decoding))]
+    drawn = [len(self.replies[i][1]) for i in chosen]
+    greedy = agent.sampling.temperature == 0
     chunk = sampler.decode_rows(
-        self.rows, chosen, [self.config.max_new_tokens - n for n in drawn], book.params(chosen[0]),
-        seeds=[book.params(i).seed for i in chosen], row_ids=[book.row_id(i) for i in chosen],
-        offsets=drawn, stop_after_finished=1)
-    held = sum(int(self.rows.lengths[i]) for i in chosen)
-    book.count_decode(time.perf_counter() - t0, chunk.width * chunk.steps, held,
-                      chunk.width * self.rows.capacity)
+        self.rows, chosen, [agent.sampling.max_new_tokens - n for n in drawn], agent.sampling,
+        keys=None if greedy else [self.turn_key(self.turns[i]) for i in chosen],
+        row_ids=[agent.row_ids[i] for i in chosen], offsets=drawn, stop_after_finished=1)
     for i, tokens, logprobs, finished, stopped in zip(chosen, chunk.tokens, chunk.logprobs,
                                                      chunk.finished, chunk.stopped):
-      self.replies[i][0].extend(tokens)
-      self.replies[i][1].extend(logprobs)
+      self.replies[i][1].extend(tokens)
+      self.replies[i][2].extend(logprobs)
       if not finished:
         self.decoding.append(i)
         continue
-      reply_tokens, reply_logprobs = self.replies.pop(i)
-      text = book.take_reply(self.formatter, i, reply_tokens, reply_logprobs, stopped,
-                             self.prompts.pop(i, ()))
-      self._to_user(i, text)
-
+      fed, reply, reply_logprobs = self.replies.pop(i)
+      self.turns[i] += 1
+      self._to_user(i, agent.record(self.dialogues[i], i, fed, reply, reply_logprobs, stopped))

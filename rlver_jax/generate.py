@@ -14,7 +14,6 @@ is greedy decoding.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -26,6 +25,7 @@ from tqdm import tqdm
 from models.chat import ChatFormatter
 from models.errors import UserInputError
 from models.sampler import SamplingParams
+from rl import keys
 from rlver_jax import policy as policy_lib
 from rlver_jax import sharding
 
@@ -136,24 +136,25 @@ def load(args) -> policy_lib.Policy:
                                 require_chat_template=args.chat)
 
 
-def decode_reply(tokenizer, tokens: list[int], stop_reason: str) -> str:
-  body = tokens[:-1] if stop_reason == "stop" else tokens
-  return tokenizer.decode(body, skip_special_tokens=False)
+def sampling_params(args) -> SamplingParams:
+  return SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                        top_k=args.top_k, top_p=args.top_p)
 
 
 def run_batch(args) -> None:
   policy = load(args)
   requests = read_requests(args.prompts, policy.formatter, policy.model.config.vocab_size)
-  params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                          top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+  params = sampling_params(args)
   start, new_tokens = time.perf_counter(), 0
   with open(args.output, "w") as out, tqdm(total=len(requests), unit="prompt") as bar:
     for first in range(0, len(requests), args.batch_size):
       batch = requests[first:first + args.batch_size]
-      result = policy.sampler.generate(batch, dataclasses.replace(params, seed=args.seed + first))
-      for tokens, logprobs, reason in zip(result.tokens, result.logprobs, result.stop_reasons):
-        out.write(json.dumps({"output_ids": tokens, "logprobs": logprobs,
-                              "text": decode_reply(policy.tokenizer, tokens, reason),
+      result = policy.sampler.generate(batch, params,
+                                       keys.batch(args.seed, keys.GENERATION, first))
+      for tokens, logprobs, text, reason in zip(result.tokens, result.logprobs,
+                                                result.texts(policy.tokenizer),
+                                                result.stop_reasons):
+        out.write(json.dumps({"output_ids": tokens, "logprobs": logprobs, "text": text,
                               "stop_reason": reason}) + "\n")
       new_tokens += sum(result.lengths)
       bar.update(len(batch))
@@ -167,7 +168,8 @@ def run_chat(args, stdin=sys.stdin, stdout=sys.stdout) -> None:
   policy = load(args)
   formatter, sampler = policy.formatter, policy.sampler
   messages = [{"role": "system", "content": args.system}] if args.system else []
-  convs, reply_ended, turn = None, True, 0
+  params, chat_key = sampling_params(args), keys.batch(args.seed, keys.GENERATION, 0)
+  convs, turn = None, 0
   stdout.write("Chat with the checkpoint; an empty line or EOF ends it.\n")
   while True:
     stdout.write("you> ")
@@ -180,14 +182,11 @@ def run_chat(args, stdin=sys.stdin, stdout=sys.stdout) -> None:
       ids = formatter.prompt_ids(messages + [user])
       convs = sampler.start(1)
     else:
-      ids = formatter.continuation_ids(messages, reply_ended, [user])
-    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                            top_k=args.top_k, top_p=args.top_p, seed=args.seed + turn)
-    result = sampler.extend(convs, [ids], params)
-    tokens, reason = result.tokens[0], result.stop_reasons[0]
-    reply = decode_reply(policy.tokenizer, tokens, reason)
+      ids = formatter.continuation_ids(messages, convs.reply_ended[0], [user])
+    result = sampler.extend(convs, [ids], params, keys.turn(chat_key, turn))
+    reply = result.texts(policy.tokenizer)[0]
     messages += [user, {"role": "assistant", "content": reply}]
-    reply_ended, turn = reason == "stop", turn + 1
+    turn += 1
     stdout.write(f"model> {reply}\n")
 
 

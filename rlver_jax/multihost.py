@@ -48,7 +48,8 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from models import partitioning
 from models.sampler import bucket_size
 from rl import train_step
-from rl.rollout import Rollout, Sample
+from rl.agent import Sample
+from rl.rollout import Rollout
 from rlver_jax import sharding
 from sim_user.profiles import Profile
 from sim_user.simulator import Dialogue

@@ -27,8 +27,9 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
-from models.sampler import STOP, SamplingParams
+from models.sampler import SamplingParams
 from models.errors import UserInputError
+from rl import keys
 from rlver_jax import cli, multihost, sharding
 from rlver_jax import policy as policy_lib
 from sim_user.jsonl import iter_jsonl
@@ -231,8 +232,7 @@ def evaluate(config) -> dict:
   sharding.maybe_initialize_distributed()
   mesh = multihost.local_mesh(dict(config.mesh))  # each host answers its share of the items
   policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype, mesh=mesh)
-  params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                          seed=config.seed)
+  params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
 
   def prompt(item):
     text = (f"{item['question']}\n\n{MATH_INSTRUCTION}" if r.task == "math" else item["prompt"])
@@ -250,11 +250,13 @@ def evaluate(config) -> dict:
       batch = items[start:start + r.batch_size]
       share = multihost.share_of(len(batch))
       mine = batch[share.start:share.stop]
-      result = policy.sampler.generate([prompt(item) for item in mine], params, row_ids=share)
+      result = policy.sampler.generate([prompt(item) for item in mine], params,
+                                       keys.batch(config.seed, keys.RETENTION, start),
+                                       row_ids=share)
       rows = []
-      for item, tokens, reason in zip(mine, result.tokens, result.stop_reasons):
-        body = tokens[:-1] if reason == STOP else tokens
-        response = policy.tokenizer.decode(body, skip_special_tokens=True)
+      for item, response, reason in zip(mine, result.texts(policy.tokenizer,
+                                                           skip_special_tokens=True),
+                                        result.stop_reasons):
         if r.strip_thinking:
           response = strip_thinking(response)
         rows.append({**item, "response": response, "stop_reason": reason,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from models.errors import UserInputError
 from models.sampler import SamplingParams
+from rl import keys
 from rlver_jax import policy as policy_lib
 from sim_user import dynamics
 from sim_user.backends.flax_llm import FlaxLLMBackend
@@ -16,7 +17,7 @@ BACKENDS = ("openai", "flax", "scripted")
 ON_FAILURE = (DROP, END_FAILED)
 
 
-def make_backend(cfg, mesh=None):
+def make_backend(cfg, mesh=None, seed: int = 0):
   if cfg.backend == "scripted":
     return ScriptedBackend()
   if cfg.backend == "openai":
@@ -31,8 +32,9 @@ def make_backend(cfg, mesh=None):
                        "(an HF Qwen2 checkpoint for the simulator)")
     simulator = policy_lib.load_policy(cfg.checkpoint,
                                        dtype="float32" if mesh is None else "bfloat16", mesh=mesh)
-    return FlaxLLMBackend(simulator.sampler, simulator.tokenizer, SamplingParams(
-        max_new_tokens=cfg.max_tokens, temperature=cfg.temperature))
+    sampling = SamplingParams(max_new_tokens=cfg.max_tokens, temperature=cfg.temperature)
+    return FlaxLLMBackend(simulator.sampler, simulator.tokenizer, sampling,
+                          key=keys.stream(seed, keys.SIMULATOR))
   raise ValueError(f"sim_user.backend={cfg.backend!r}; expected one of {BACKENDS}")
 
 
@@ -61,12 +63,14 @@ def describe(cfg) -> str:
   return f"the {cfg.backend} simulator"
 
 
-def make_simulated_user(cfg, mesh=None, rules: str | None = None) -> SimulatedUser:
+def make_simulated_user(cfg, mesh=None, rules: str | None = None, seed: int = 0) -> SimulatedUser:
+  """The simulated user of a `sim_user` section; `seed` is the run's (an in-process simulator
+  draws from its stream of it)."""
   prompts = PromptSet.load(cfg.templates or None, language=cfg.language, variant=cfg.variant)
   rule_set = make_rules(cfg, rules)
   if cfg.on_failure not in ON_FAILURE:
     raise UserInputError(f"sim_user.on_failure={cfg.on_failure!r}; expected one of {ON_FAILURE}")
   target_header = "Reason" if rule_set.name == "rlver_train" else "TargetCompletion"
-  return SimulatedUser(make_backend(cfg, mesh), rule_set, prompts,
+  return SimulatedUser(make_backend(cfg, mesh, seed), rule_set, prompts,
                        max_retries=cfg.parse_retries, on_failure=cfg.on_failure,
                        target_header=target_header)

@@ -32,7 +32,7 @@ def model():
   return qwen2.init_random(CONFIG, seed=0)
 
 
-def decode_all(sampler, rb, rows, params, width, budgets=None, seed=0):
+def decode_all(sampler, rb, rows, params, width, budgets=None, key=None):
   """Decodes `rows` to the end, `width` rows per chunk in rotation; returns tokens, logprobs."""
   budgets = budgets or {r: params.max_new_tokens for r in rows}
   tokens, logprobs = {r: [] for r in rows}, {r: [] for r in rows}
@@ -40,7 +40,7 @@ def decode_all(sampler, rb, rows, params, width, budgets=None, seed=0):
   while live:
     chosen = live[:width]
     chunk = sampler.decode_rows(rb, chosen, [budgets[r] - len(tokens[r]) for r in chosen], params,
-                                seeds=[seed] * len(chosen), row_ids=chosen,
+                                keys=None if key is None else [key] * len(chosen), row_ids=chosen,
                                 offsets=[len(tokens[r]) for r in chosen])
     for r, new, lp, finished in zip(chosen, chunk.tokens, chunk.logprobs, chunk.finished):
       tokens[r] += new
@@ -93,13 +93,15 @@ def test_rows_continue_restart_and_match_a_full_forward_pass(model):
 
 
 def test_sampled_rows_draw_the_batch_samplers_tokens(model):
-  params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20, seed=7)
-  reference = Sampler(model, stop_token_ids=[STOP]).generate(PROMPTS, params, row_ids=[4, 5, 6, 7])
+  params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20)
+  key = jax.random.key(7)
+  reference = Sampler(model, stop_token_ids=[STOP]).generate(PROMPTS, params, key,
+                                                             row_ids=[4, 5, 6, 7])
   sampler = Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=5)
   rb = sampler.start_rows(8)
   rows = [4, 5, 6, 7]  # row ids double as the rows' sampling ids
   sampler.prefill_rows(rb, rows, PROMPTS, reserve=12)
-  tokens, _ = decode_all(sampler, rb, rows, params, width=3, seed=7)
+  tokens, _ = decode_all(sampler, rb, rows, params, width=3, key=key)
   assert tokens == reference.tokens
 
 

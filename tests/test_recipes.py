@@ -28,7 +28,7 @@ from configs import grpo, ppo
 from models import qwen2
 from models.chat import ChatFormatter
 from models.errors import UserInputError
-from models.sampler import LENGTH, STOP, SampleOutput
+from models.sampler import LENGTH, STOP, Completions
 from rl import system_prompts, train_step
 from rlver_jax import config_checks
 from rlver_jax import eval as evaluator
@@ -274,10 +274,10 @@ class CutOffSampler:
   def start(self, num_rows, capacity=0):
     return None
 
-  def extend(self, convs, new_tokens, params, row_ids=None):
+  def extend(self, convs, new_tokens, params, key=None):
     return self._replies(len(new_tokens))
 
-  def generate(self, prompts, params, row_ids=None):
+  def generate(self, prompts, params, key=None, row_ids=None):
     return self._replies(len(prompts))
 
   def _replies(self, rows):
@@ -287,8 +287,8 @@ class CutOffSampler:
       self.turns, self.cut_off = self.turns + 1, self.cut_off + cut
       tokens.append(self.reply_ids + ([] if cut else [self.stop_id]))
       reasons.append(LENGTH if cut else STOP)
-    return SampleOutput(tokens=tokens, logprobs=[[0.0] * len(t) for t in tokens],
-                        stop_reasons=reasons)
+    return Completions(tokens=tokens, logprobs=[[0.0] * len(t) for t in tokens],
+                       stop_reasons=reasons)
 
 
 def test_eval_reports_the_system_prompt_and_the_share_of_cut_off_turns(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ import rl
 from rl import losses
 from rl import train_step
 from models.errors import UserInputError
-from rl.rollout import Sample
+from rl.agent import Sample
 
 
 def numpy_gae(rewards, values, mask, gamma, lam):

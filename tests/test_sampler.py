@@ -80,8 +80,8 @@ def test_left_padded_batch_in_transformers_gives_the_same_tokens(checkpoint):
 
 def test_sampled_logprobs_are_the_tempered_policy(checkpoint):
   _, _, model = checkpoint
-  params = SamplingParams(max_new_tokens=6, temperature=0.7, seed=3)
-  out = Sampler(model, stop_token_ids=[2]).generate(PROMPTS[:2], params)
+  params = SamplingParams(max_new_tokens=6, temperature=0.7)
+  out = Sampler(model, stop_token_ids=[2]).generate(PROMPTS[:2], params, jax.random.key(3))
   for prompt, tokens, logprobs in zip(PROMPTS, out.tokens, out.logprobs):
     logits = np.asarray(model(jnp.asarray([prompt + tokens], jnp.int32)))[0]
     steps = np.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
@@ -109,9 +109,9 @@ def test_select_drops_finished_dialogues(checkpoint):
   sampler = Sampler(model, stop_token_ids=[2])
   convs = sampler.start(len(PROMPTS))
   turn1 = sampler.extend(convs, PROMPTS, GREEDY)
-  kept = sampler.select(convs, [3, 1])
-  assert kept.batch_size == 2 and kept.num_rows == 2
-  turn2 = sampler.extend(kept, [[80, 81], [82]], GREEDY)
+  sampler.select(convs, [3, 1])
+  assert convs.batch_size == 2 and convs.num_rows == 2
+  turn2 = sampler.extend(convs, [[80, 81], [82]], GREEDY)
   full = Sampler(model, stop_token_ids=[2]).generate(
       [PROMPTS[3] + turn1.tokens[3] + [80, 81], PROMPTS[1] + turn1.tokens[1] + [82]], GREEDY)
   assert turn2.tokens == full.tokens
@@ -120,10 +120,11 @@ def test_select_drops_finished_dialogues(checkpoint):
 def test_same_seed_same_samples(checkpoint):
   _, _, model = checkpoint
   sampler = Sampler(model, stop_token_ids=[2])
-  params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=50, seed=11)
-  a = sampler.generate(PROMPTS, params)
-  b = sampler.generate(PROMPTS, params)
-  c = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0, seed=12))
+  params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=50)
+  a = sampler.generate(PROMPTS, params, jax.random.key(11))
+  b = sampler.generate(PROMPTS, params, jax.random.key(11))
+  c = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0),
+                       jax.random.key(12))
   assert a.tokens == b.tokens and a.logprobs == b.logprobs
   assert a.tokens != c.tokens
 

@@ -4,6 +4,7 @@ import http.server
 import logging
 import threading
 
+import jax
 import pytest
 
 from models import qwen2
@@ -105,7 +106,7 @@ def test_flax_llm_backend_answers_every_request(tmp_path):
   sampler = Sampler(qwen2.from_pretrained(tmp_path),
                     stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
   backend = FlaxLLMBackend(sampler, tokenizer, SamplingParams(max_new_tokens=8, temperature=1.0),
-                           max_batch_size=2, max_prompt_tokens=400)
+                           key=jax.random.key(0), max_batch_size=2, max_prompt_tokens=400)
   prompts = ["short prompt", "another one", "third", "x " * 500]
   results = backend.complete(requests_for(prompts))
   assert all(isinstance(r, str) for r in results[:3])

@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
 
+import jax
+
 from models.chat import ChatFormatter
-from models.sampler import STOP, Sampler, SamplingParams
+from models.sampler import Sampler, SamplingParams
 from sim_user.backends.base import BackendError, SimRequest
 
 
 class FlaxLLMBackend:
-  """Each request's prompt is one user message, rendered with the checkpoint's chat template."""
+  """Each request's prompt is one user message, rendered with the checkpoint's chat template.
 
-  def __init__(self, sampler: Sampler, tokenizer, params: SamplingParams,
+  Sampler call c draws with `key` folded with c (see rl/keys.py).
+  """
+
+  def __init__(self, sampler: Sampler, tokenizer, params: SamplingParams, key: jax.Array,
                max_batch_size: int = 64, max_prompt_tokens: int = 8192):
     self.sampler = sampler
     self.tokenizer = tokenizer
     self.formatter = ChatFormatter(tokenizer)
     self.params = params
+    self.key = key
     self.max_batch_size = max_batch_size
     self.max_prompt_tokens = max_prompt_tokens
     self._calls = 0
@@ -33,9 +38,8 @@ class FlaxLLMBackend:
     for start in range(0, len(fits), self.max_batch_size):
       chunk = fits[start:start + self.max_batch_size]
       self._calls += 1
-      params = dataclasses.replace(self.params, seed=self.params.seed + self._calls)
-      out = self.sampler.generate([prompts[i] for i in chunk], params)
-      for i, tokens, reason in zip(chunk, out.tokens, out.stop_reasons):
-        body = tokens[:-1] if reason == STOP else tokens
-        results[i] = self.tokenizer.decode(body, skip_special_tokens=True)
+      out = self.sampler.generate([prompts[i] for i in chunk], self.params,
+                                  jax.random.fold_in(self.key, self._calls))
+      for i, text in zip(chunk, out.texts(self.tokenizer, skip_special_tokens=True)):
+        results[i] = text
     return results
