@@ -373,11 +373,13 @@ class Sampler:
     convs.reply_ended = [convs.reply_ended[r] for r in rows]
 
   def extend(self, convs: Conversations, new_tokens: Sequence[Sequence[int]],
-             params: SamplingParams, key: jax.Array | None = None) -> Completions:
+             params: SamplingParams, key: jax.Array | None = None,
+             budgets: Sequence[int] | None = None) -> Completions:
     """Appends each row's new tokens to its dialogue, then samples a continuation per row.
 
     Row r draws its tokens with `key` folded with its row id (see `start`);
-    greedy decoding (temperature 0) needs no key.
+    greedy decoding (temperature 0) needs no key. `budgets[r]` (at most
+    `params.max_new_tokens`, the default) caps row r's continuation.
     """
     if key is None:
       if params.temperature:
@@ -400,6 +402,9 @@ class Sampler:
       tokens_bt[row, chunk - len(tokens):] = tokens
       mask_bt[row, chunk - len(tokens):] = True
     done_b = np.arange(batch) >= convs.num_rows
+    budget_b = np.zeros((batch,), np.int32)
+    budget_b[:convs.num_rows] = params.max_new_tokens if budgets is None else np.minimum(
+        budgets, params.max_new_tokens)
     row_ids_b = np.zeros((batch,), np.int32)
     row_ids_b[:convs.num_rows] = convs.row_ids
 
@@ -410,7 +415,7 @@ class Sampler:
           self._put(mask_bt, ("batch", None)))
       out_tokens, out_logprobs, lengths, stopped, held, convs.cache = self._decode(
           self.state, convs.cache, logits_bv, self._put(done_b, ("batch",)),
-          key, self._put(row_ids_b, ("batch",)),
+          self._put(budget_b, ("batch",)), key, self._put(row_ids_b, ("batch",)),
           jnp.float32(params.temperature or 1.0),
           jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens,
           greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
@@ -465,29 +470,26 @@ class Sampler:
         kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
         length=cache.length))
 
-  def _row_index(self, rb: RowBatch, rows: Sequence[int]) -> np.ndarray:
-    """Row ids padded to their bucket with an out-of-range id (read clamped, written nowhere)."""
+  def _row_index(self, rb: RowBatch, rows: Sequence[int], width: int) -> np.ndarray:
+    """Row ids padded to `width` with an out-of-range id (read clamped, written nowhere)."""
     if len(set(rows)) != len(rows) or any(not 0 <= r < rb.num_rows for r in rows):
       raise IndexError(f"rows {list(rows)}: need distinct rows in [0, {rb.num_rows})")
-    index = np.full(self.row_bucket(len(rows)), rb.batch_size, np.int32)
+    index = np.full(width, rb.batch_size, np.int32)
     index[:len(rows)] = rows
     return index
 
   def prefill_rows(self, rb: RowBatch, rows: Sequence[int], new_tokens: Sequence[Sequence[int]],
-                   reserve: int = 0, restart: bool = False) -> None:
-    """Appends each row's new tokens at that row's own length (from 0 with `restart`).
-
-    `reserve`: slots to keep free after them (the reply to come), grown into now.
-    """
+                   restart: bool = False) -> None:
+    """Appends each row's new tokens at that row's own length (from 0 with `restart`)."""
     if len(rows) != len(new_tokens) or not rows:
       raise ValueError(f"{len(new_tokens)} token lists for {len(rows)} rows")
     if any(not tokens for tokens in new_tokens):
       raise ValueError("every row needs at least one new token")
-    index = self._row_index(rb, rows)
+    # Powers of two: prefill pads a few rows rather than compiling for every row count.
+    index = self._row_index(rb, rows, self._batch_bucket(len(rows)))
     if restart:
       rb.lengths[list(rows)] = 0
-    self._grow_rows(rb, max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens))
-                    + reserve)
+    self._grow_rows(rb, max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens)))
     width = bucket_size(max(len(t) for t in new_tokens), self.min_chunk_bucket)
     tokens_kt = np.full((len(index), width), self.pad_id, np.int32)
     mask_kt = np.zeros((len(index), width), np.bool_)
@@ -523,7 +525,7 @@ class Sampler:
     steps = steps or self.decode_chunk_steps
     if any(b < 1 for b in budgets):
       raise ValueError(f"budgets {list(budgets)}: every row needs at least one token")
-    index = self._row_index(rb, rows)
+    index = self._row_index(rb, rows, self.row_bucket(len(rows)))
     self._grow_rows(rb, max(int(rb.lengths[r]) + min(b, steps) for r, b in zip(rows, budgets)))
     width, n = len(index), len(rows)
     pad = lambda values: np.concatenate([np.asarray(values, np.int32),
@@ -638,9 +640,9 @@ def _prefill(graphdef, state, cache, tokens_bt, mask_bt):
   return model.logits(hidden_btd[:, -1:])[:, 0], cache
 
 
-def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, key, row_ids_b,
-            temperature, top_p, *, max_new_tokens, greedy, top_k, use_top_p):
-  """Samples until every row hit a stop token or `max_new_tokens` were drawn.
+def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, budget_b, key,
+            row_ids_b, temperature, top_p, *, max_new_tokens, greedy, top_k, use_top_p):
+  """Samples until every row hit a stop token or its budget (<= `max_new_tokens`) of tokens.
 
   Each step samples from the current logits, then feeds the sampled token
   through the model, so the cache ends holding every returned token.
@@ -670,8 +672,8 @@ def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, k
     hidden_btd, cache = model.backbone(token_b[:, None], attention_mask=live_b[:, None],
                                        cache=cache)
     logits_bv = model.logits(hidden_btd)[:, 0]
-    return (step + 1, tokens_bn, logprobs_bn, lengths_b, stopped_b, done_b | hit_stop_b,
-            logits_bv, cache)
+    done_b = done_b | hit_stop_b | (lengths_b >= budget_b)
+    return (step + 1, tokens_bn, logprobs_bn, lengths_b, stopped_b, done_b, logits_bv, cache)
 
   carry = (jnp.int32(0), jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
            jnp.zeros((batch, max_new_tokens), jnp.float32), jnp.zeros((batch,), jnp.int32),

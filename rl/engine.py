@@ -119,11 +119,7 @@ class _Engine:
     rows = list(self.ready)
     self.ready.clear()
     feeds = [self.agent.next_tokens(self.dialogues[i], i) for i in rows]
-    limit = self.sampler.row_bucket(len(self.dialogues))
-    for start in range(0, len(rows), limit):
-      self.sampler.prefill_rows(self.rows, rows[start:start + limit], feeds[start:start + limit],
-                                reserve=self.config.max_new_tokens,
-                                restart=self.agent.restarts_rows)
+    self.sampler.prefill_rows(self.rows, rows, feeds, restart=self.agent.restarts_rows)
     for i, feed in zip(rows, feeds):
       self.replies[i] = (feed, [], [])
       self.decoding.append(i)

@@ -158,7 +158,7 @@ def evaluate(config) -> dict:
   rollout_cfg = rollout_lib.RolloutConfig(
       samples_per_profile=1, system_prompt=system_prompt, thinking=e.thinking,
       max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9, temperature=e.temperature,
-      top_p=e.top_p, top_k=e.top_k)
+      top_p=e.top_p, top_k=e.top_k, engine=e.engine)
 
   if primary:
     _write_records(results_path, list(by_id.values()))

@@ -185,7 +185,7 @@ class Trainer:
         max_new_tokens=config.rollout.max_new_tokens,
         max_dialogue_tokens=config.rollout.max_dialogue_tokens,
         temperature=config.rollout.temperature, top_p=config.rollout.top_p,
-        top_k=config.rollout.top_k, reward=config.rl.reward)
+        top_k=config.rollout.top_k, reward=config.rl.reward, engine=config.rollout.engine)
 
     self.profiles = profiles_lib.load_profiles(config.data.train_profiles)
     policy_path = resolve_policy_checkpoint(config)

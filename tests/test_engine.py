@@ -3,7 +3,7 @@ the lockstep one."""
 
 import collections
 import dataclasses
-import time
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -32,15 +32,27 @@ def model():
   return qwen2.init_random(CONFIG, seed=0)
 
 
-def decode_all(sampler, rb, rows, params, width, budgets=None, key=None):
+@pytest.fixture(scope="module")
+def reference(model):
+  return Sampler(model, stop_token_ids=[STOP])
+
+
+@pytest.fixture(scope="module")
+def row_sampler(model):
+  """Chunks of 3 steps and a 16-slot cache to start with: several chunks per reply, growth."""
+  return Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=3)
+
+
+def decode_all(sampler, rb, rows, params, width, key=None, row_ids=None):
   """Decodes `rows` to the end, `width` rows per chunk in rotation; returns tokens, logprobs."""
-  budgets = budgets or {r: params.max_new_tokens for r in rows}
+  row_id = dict(zip(rows, row_ids or rows))
   tokens, logprobs = {r: [] for r in rows}, {r: [] for r in rows}
   live = list(rows)
   while live:
     chosen = live[:width]
-    chunk = sampler.decode_rows(rb, chosen, [budgets[r] - len(tokens[r]) for r in chosen], params,
-                                keys=None if key is None else [key] * len(chosen), row_ids=chosen,
+    chunk = sampler.decode_rows(rb, chosen, [params.max_new_tokens - len(tokens[r]) for r in chosen],
+                                params, keys=None if key is None else [key] * len(chosen),
+                                row_ids=[row_id[r] for r in chosen],
                                 offsets=[len(tokens[r]) for r in chosen])
     for r, new, lp, finished in zip(chosen, chunk.tokens, chunk.logprobs, chunk.finished):
       tokens[r] += new
@@ -51,36 +63,35 @@ def decode_all(sampler, rb, rows, params, width, budgets=None, key=None):
   return [tokens[r] for r in rows], [logprobs[r] for r in rows]
 
 
-def test_rows_decoded_in_chunks_equal_the_batch_sampler(model):
-  reference = Sampler(model, stop_token_ids=[STOP]).generate(PROMPTS, GREEDY)
-  assert [len(t) for t in reference.tokens] == [10, 10, 4, 10]
-  sampler = Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=3)
+def test_rows_decoded_in_chunks_equal_the_batch_sampler(reference, row_sampler):
+  expected = reference.generate(PROMPTS, GREEDY)
+  assert [len(t) for t in expected.tokens] == [10, 10, 4, 10]
+  sampler = row_sampler
   rb = sampler.start_rows(len(PROMPTS))
-  sampler.prefill_rows(rb, [2, 0], [PROMPTS[2], PROMPTS[0]], reserve=10)
-  sampler.prefill_rows(rb, [1, 3], [PROMPTS[1], PROMPTS[3]], reserve=10)
+  sampler.prefill_rows(rb, [2, 0], [PROMPTS[2], PROMPTS[0]])
+  sampler.prefill_rows(rb, [1, 3], [PROMPTS[1], PROMPTS[3]])
   tokens, logprobs = decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=3)
-  assert tokens == reference.tokens
-  np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(reference.logprobs),
+  assert tokens == expected.tokens
+  np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(expected.logprobs),
                              atol=1e-5)
   # Each row holds exactly its own tokens: the last one fed, the prompt and reply.
   assert rb.lengths[:4].tolist() == [len(p) + len(t) for p, t in zip(PROMPTS, tokens)]
 
 
-def test_rows_continue_restart_and_match_a_full_forward_pass(model):
-  sampler = Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=4)
+def test_rows_continue_restart_and_match_a_full_forward_pass(model, reference, row_sampler):
+  sampler = row_sampler
   rb = sampler.start_rows(len(PROMPTS))
-  sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS, reserve=10)
-  turn1, _ = decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=4)
+  sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  turn1, _ = decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=3)
   user = {3: [60, 61, 62], 1: [63]}
-  # Rows 3 and 1 get a user turn at their own offsets (growing the 16-slot cache); row 0
+  # Rows 3 and 1 get a user turn at their own offsets (outgrowing the 16-slot cache); row 0
   # starts over with a new prompt, as a thinking-mode turn does; row 2 waits.
-  sampler.prefill_rows(rb, [3, 1], [user[3], user[1]], reserve=10)
-  sampler.prefill_rows(rb, [0], [[70, 71, 72]], reserve=10, restart=True)
-  assert rb.capacity >= 32
+  sampler.prefill_rows(rb, [3, 1], [user[3], user[1]])
+  sampler.prefill_rows(rb, [0], [[70, 71, 72]], restart=True)
   turn2, logprobs2 = decode_all(sampler, rb, [3, 1, 0], GREEDY, width=2)
+  assert rb.capacity >= 32
   histories = [PROMPTS[3] + turn1[3] + user[3], PROMPTS[1] + turn1[1] + user[1], [70, 71, 72]]
-  full = Sampler(model, stop_token_ids=[STOP]).generate(histories, GREEDY)
-  assert turn2 == full.tokens
+  assert turn2 == reference.generate(histories, GREEDY).tokens
   # The sampler's log-probs are those of one forward pass over the whole sequences.
   sequences = [h + r for h, r in zip(histories, turn2)]
   width = max(len(q) for q in sequences)
@@ -92,17 +103,15 @@ def test_rows_continue_restart_and_match_a_full_forward_pass(model):
     np.testing.assert_allclose(logprobs, logp_btv[b, steps, reply], atol=1e-4)
 
 
-def test_sampled_rows_draw_the_batch_samplers_tokens(model):
+def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
   params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20)
   key = jax.random.key(7)
-  reference = Sampler(model, stop_token_ids=[STOP]).generate(PROMPTS, params, key,
-                                                             row_ids=[4, 5, 6, 7])
-  sampler = Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=5)
-  rb = sampler.start_rows(8)
-  rows = [4, 5, 6, 7]  # row ids double as the rows' sampling ids
-  sampler.prefill_rows(rb, rows, PROMPTS, reserve=12)
-  tokens, _ = decode_all(sampler, rb, rows, params, width=3, key=key)
-  assert tokens == reference.tokens
+  expected = reference.generate(PROMPTS, params, key, row_ids=[4, 5, 6, 7])
+  rb = row_sampler.start_rows(len(PROMPTS))
+  row_sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  tokens, _ = decode_all(row_sampler, rb, [0, 1, 2, 3], params, width=3, key=key,
+                         row_ids=[4, 5, 6, 7])
+  assert tokens == expected.tokens
 
 
 def test_bf16_sampling_weights_refresh_without_recompiling(model):
@@ -194,33 +203,40 @@ def test_continuous_thinking_turns_equal_lockstep(chat_policy):
 
 
 class SlowForOne(ScriptedBackend):
-  """A server-like backend (has max_concurrency): one profile's calls hang, then fail."""
+  """A server-like backend (it has max_concurrency): one profile's calls fail, and with
+  `hold_for` set they first hang until the other dialogues made that many calls."""
 
   max_concurrency = 4
 
-  def __init__(self, slow_profile, seconds):
-    self.slow_profile, self.seconds, self.finished_at = slow_profile, seconds, {}
+  def __init__(self, slow_profile):
+    self.slow_profile, self.hold_for = slow_profile, None
+    self.calls, self.others_went_on = 0, None
+    self.progress = threading.Condition()
 
   def complete(self, requests):
     if any(r.profile.id == self.slow_profile for r in requests):
-      time.sleep(self.seconds)
+      if self.hold_for is not None:
+        with self.progress:
+          self.others_went_on = self.progress.wait_for(lambda: self.calls >= self.hold_for,
+                                                       timeout=120)
       return [BackendError("timeout") for _ in requests]
     out = super().complete(requests)
-    for r in requests:
-      self.finished_at[r.profile.id] = time.perf_counter()
+    with self.progress:
+      self.calls += len(requests)
+      self.progress.notify_all()
     return out
 
 
 def test_a_slow_failing_simulator_call_does_not_hold_up_other_dialogues(chat_policy):
   sampler, formatter, demo = chat_policy
   config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=0.0, max_dialogue_tokens=30)
-  backend = SlowForOne(demo[0].id, seconds=0)
-  rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, seed=1)  # compiles
-  backend.seconds = 4.0
-  start = time.perf_counter()
+  backend = SlowForOne(demo[0].id)
+  first = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, seed=1)
+  # Again, the failing call now hanging until the others made every call they made before.
+  backend.hold_for, backend.calls = backend.calls, 0
   rollout = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, seed=1)
+  assert backend.others_went_on  # the other dialogues ran to their end meanwhile
   slow, *others = rollout.dialogues
   assert slow.end_reason == "simulator_error" and slow.agent_turns == 1
   assert all(d.agent_turns > 1 and d.end_reason != "simulator_error" for d in others)
-  # The others' dialogues ran to their end while the slow call hung.
-  assert max(backend.finished_at[d.profile.id] for d in others) - start < backend.seconds
+  assert [d.history for d in rollout.dialogues] == [d.history for d in first.dialogues]
