@@ -1,15 +1,17 @@
 """Batched multi-turn dialogues between the policy and the simulated user.
 
-`collect` runs rounds until every dialogue has ended: the agent (`rl.agent`)
-replies in every live dialogue with one sampler call, the simulator answers
-them all in one batched call, and the end checks run (the simulator's rule
-set, the dialogue's token budget). GRPO groups (n samples of one profile)
-share persona and opening line. The agent's strategy, cached dialogues or
-thinking turns, is picked once per batch by `make_agent`.
+`collect` runs a batch of dialogues to their end: the agent (`rl.agent`)
+takes each live dialogue's turn, the simulator answers it, and the end
+checks run (the simulator's rule set, the dialogue's token budget). GRPO
+groups (n samples of one profile) share persona and opening line. The
+agent's strategy, cached dialogues or thinking turns, is picked once per
+batch by `make_agent`.
 
-That is the lockstep engine, kept as the benchmark's baseline
-(`RolloutConfig.engine="lockstep"`); by default `collect` runs the same
-dialogues through `rl.engine`'s continuous batching across turns.
+`RolloutConfig.engine` picks how turns are batched: "continuous" (default,
+`rl.engine`: each dialogue moves on as soon as its own reply or user turn is
+done) or "lockstep" (here: rounds of one sampler call for every live
+dialogue, then one simulator call for all of them; the benchmark's
+baseline). Both give the same dialogues.
 """
 
 from __future__ import annotations
