@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 
+import jax
 import numpy as np
 from absl import app, flags, logging
 
@@ -149,7 +150,8 @@ def run_engine(engine: str, sampler: ScheduledSampler, formatter, server_url: st
                                 max_concurrency=len(profile_list), timeout_s=120.0)
     user = SimulatedUser(backend, rules, prompts)
     sampler.reset()
-    results.append(rollout_lib.collect(sampler, formatter, user, profile_list, config, seed=0))
+    results.append(rollout_lib.collect(sampler, formatter, user, profile_list, config,
+                                       jax.random.key(0)))
     logging.info("%s (latency x%g): %s", engine, scale, {
         k: round(v, 3) for k, v in results[-1].metrics.items() if k.startswith(("rollout/", "time/"))})
   return results[-1]

@@ -1,4 +1,4 @@
-"""The policy taking its turn in a batch of dialogues: the layer between the rollout and the sampler.
+"""The policy taking its turn in a batch of dialogues, between the rollout and the sampler.
 
 An agent renders each live dialogue as the policy sees it, samples one reply
 per dialogue, and keeps what training needs of them. Two strategies; the

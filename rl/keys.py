@@ -1,7 +1,8 @@
 """Every random key of a run, as `jax.random.fold_in` chains from the run seed.
 
-  key(seed) -> stream -> step (training) or first item of the batch (evaluation, retention,
-               generation) or call (simulator) -> agent turn -> row -> token
+  key(seed) -> stream -> step (training rollouts) or first item of the batch (evaluation,
+               retention, generation) or call (simulator) or epoch (profile order)
+            -> agent turn -> row -> token
 
 The first links are here; the sampler folds in the last two itself: each row's
 global id (`Sampler.start(row_ids=...)`, so a dialogue draws the same tokens
@@ -21,6 +22,7 @@ SIMULATOR = 1  # the in-process simulator (sim_user.backend=flax), which folds i
 EVALUATION = 2  # benchmark dialogues: batch, turn
 RETENTION = 3  # retention answers: batch
 GENERATION = 4  # rlver_jax.generate: batch or chat turn
+PROFILE_ORDER = 5  # the trainer's order of the training profiles: epoch
 
 
 def stream(seed: int, name: int) -> jax.Array:
@@ -42,3 +44,8 @@ def turn(dialogues_key: jax.Array, agent_turn: int) -> jax.Array:
   """Agent turn `agent_turn` of a batch of dialogues (counted from 0)."""
   return jax.random.fold_in(dialogues_key, agent_turn)
 
+
+def profile_order(seed: int, epoch: int, num_profiles: int) -> jax.Array:
+  """The permutation of the training profiles that epoch `epoch` goes through."""
+  return jax.random.permutation(jax.random.fold_in(stream(seed, PROFILE_ORDER), epoch),
+                                num_profiles)

@@ -26,6 +26,7 @@ import numpy as np
 
 from models.chat import ChatFormatter
 from models.sampler import Sampler, SamplingParams
+from rl import keys
 from rl.agent import Agent, CachedDialogues, Sample, ThinkingTurns
 from sim_user import dynamics
 from sim_user.profiles import Profile
@@ -60,9 +61,11 @@ class RolloutConfig:
 
 @dataclasses.dataclass
 class Rollout:
-  samples: list[Sample]
-  dialogues: list[Dialogue]
-  metrics: dict
+  """One batch of finished dialogues (this host's share) and what training takes from them."""
+
+  samples: list[Sample]  # [samples]: one per dialogue, or one per agent turn when thinking
+  dialogues: list[Dialogue]  # [profiles * samples_per_profile], group after group
+  metrics: dict  # rollout metrics (rewards, emotions, turns, tokens, times)
 
 
 def make_agent(config: RolloutConfig, sampler: Sampler, formatter: ChatFormatter,
@@ -78,10 +81,11 @@ def make_agent(config: RolloutConfig, sampler: Sampler, formatter: ChatFormatter
 
 
 def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
-            profiles: Sequence[Profile], config: RolloutConfig, seed: int,
+            profiles: Sequence[Profile], config: RolloutConfig, key: jax.Array,
             first_profile: int = 0) -> Rollout:
   """Runs one batch of dialogues to their end and returns the training samples.
 
+  `key` is the batch's (rl/keys.py); turn t draws with `keys.turn(key, t)`.
   `profiles` may be one host's share of a larger batch, starting at global
   profile `first_profile`: groups and sampling keys follow the global index, so
   each dialogue is the same whichever host runs it.
@@ -96,7 +100,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   agent = make_agent(config, sampler, formatter,
                      row_ids=[first_profile * n + i for i in range(len(dialogues))])
 
-  turn_key = lambda turn: jax.random.key(seed * 1000 + turn)
+  turn_key = lambda turn: keys.turn(key, turn)
   stats_before = copy.copy(sampler.stats)
   if config.engine == "continuous":
     from rl import engine  # it builds on this module
@@ -105,7 +109,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
     sim_seconds += _run_lockstep(agent, user, dialogues, config, turn_key)
 
   samples = agent.samples(dialogues, groups, config.reward)
-  metrics = rollout_metrics(samples, dialogues, user.rules)
+  metrics = rollout_metrics(samples, dialogues, user.emotion_rules)
   wall = time.perf_counter() - start_time
   agent_metrics = agent.metrics()
   metrics.update({"time/rollout": wall, "time/simulator": sim_seconds, **agent_metrics,

@@ -29,6 +29,7 @@ from absl import logging
 from tqdm import tqdm
 
 from models.errors import RunStopped
+from rl import keys
 from rl import rollout as rollout_lib
 from rl import system_prompts
 from rlver_jax import cli, config_checks, multihost, run_config, sharding, simulator_factory
@@ -149,7 +150,7 @@ def evaluate(config) -> dict:
   mesh = multihost.local_mesh(dict(config.mesh))  # each host runs its own dialogues
   policy = policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
                                  param_dtype=config.policy.param_dtype, mesh=mesh)
-  user = simulator_factory.make_simulated_user(config.sim_user, mesh)
+  user = simulator_factory.make_simulated_user(config.sim_user, mesh, seed=config.seed)
   user.check_health()  # one request: a dead simulator fails here, fast
   system_prompt = system_prompts.resolve(e.system_prompt, language=config.sim_user.language,
                                          thinking=e.thinking)
@@ -172,7 +173,8 @@ def evaluate(config) -> dict:
       share = multihost.share_of(len(batch))  # this host's block of the batch
       mine = rollout_lib.collect(policy.sampler, policy.formatter, user,
                                  batch[share.start:share.stop], rollout_cfg,
-                                 seed=config.seed + start, first_profile=share.start
+                                 keys.batch(config.seed, keys.EVALUATION, start),
+                                 first_profile=share.start
                                  ) if share else None
       records = multihost.gather([sage_record(d) for d in mine.dialogues] if mine else [])
       turn_counts.update(multihost.sum_counts({
@@ -198,7 +200,8 @@ def evaluate(config) -> dict:
   records = [by_id[p.id] for p in profiles]
   _write_records(results_path, records + [r for r in by_id.values() if r["id"] not in selected])
   settings = {"checkpoint": config.policy.checkpoint, "profiles": config.eval.profiles,
-              "limit": e.limit, "rules": user.rules.name, "simulator": config.sim_user.backend,
+              "limit": e.limit, "rules": user.emotion_rules.name,
+              "simulator": config.sim_user.backend,
               "simulator_model": config.sim_user.model, "variant": config.sim_user.variant,
               "thinking": e.thinking, "system_prompt_setting": e.system_prompt,
               "system_prompt": system_prompt,

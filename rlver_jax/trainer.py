@@ -16,6 +16,7 @@ the reward curve to W/reward_curve.png, the final policy to W/export.
 from __future__ import annotations
 
 import collections
+import functools
 import os
 import time
 
@@ -29,6 +30,7 @@ from models import qwen2
 from models.chat import ChatFormatter
 from models.errors import RunStopped
 from models.sampler import Sampler
+from rl import keys
 from rl import rollout as rollout_lib
 from rl import system_prompts
 from rl import train_step
@@ -93,10 +95,13 @@ class ProfileOrder:
     out = []
     while len(out) < count:
       epoch, offset = divmod(self.position, self.num_profiles)
-      order = np.random.RandomState(self.seed + epoch).permutation(self.num_profiles)
-      out.append(int(order[offset]))
+      out.append(int(self._order(epoch)[offset]))
       self.position += 1
     return out
+
+  @functools.lru_cache(maxsize=1)
+  def _order(self, epoch: int) -> np.ndarray:
+    return np.asarray(keys.profile_order(self.seed, epoch, self.num_profiles))
 
 
 def checkpoint_due(step: int, final_step: int, every: int, every_minutes: float,
@@ -212,7 +217,8 @@ class Trainer:
     self.sampler = Sampler(self.hosts.local_model(policy), stop_token_ids=policy_lib.stop_token_ids(
                                self.tokenizer, eos_token_id=policy.config.eos_token_id),
                            pad_id=self.tokenizer.pad_token_id or 0, mesh=self.hosts.local_mesh)
-    self.user = simulator_factory.make_simulated_user(config.sim_user, self.hosts.local_mesh)
+    self.user = simulator_factory.make_simulated_user(config.sim_user, self.hosts.local_mesh,
+                                                      seed=config.seed)
     self.user.check_health()  # one request: a dead simulator fails here, fast
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
@@ -280,7 +286,7 @@ class Trainer:
     self.sampler.update_weights(self.hosts.local_params(self.policy.params))
     rollout = rollout_lib.collect(self.sampler, self.formatter, self.user,
                                   chosen[share.start:share.stop], self.rollout_cfg,
-                                  seed=config.seed * 100_003 + step, first_profile=share.start)
+                                  keys.rollout_step(config.seed, step), first_profile=share.start)
     self.dialogue_log.observe(step, rollout.dialogues)
     sim_events = {key: count - sim_counts_before.get(key, 0)  # this step's simulator events
                   for key, count in self.user.metrics.items()}

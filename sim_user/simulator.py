@@ -68,7 +68,7 @@ class Dialogue:
 
 class SimulatedUser:
 
-  def __init__(self, backend: Backend, rules: dynamics.EmotionRules, prompts: PromptSet, *,
+  def __init__(self, backend: Backend, emotion_rules: dynamics.EmotionRules, prompts: PromptSet, *,
                max_retries: int = 2, on_failure: str = END_FAILED,
                goodbye_phrases: Sequence[str] = DEFAULT_GOODBYES,
                target_header: str = "TargetCompletion"):
@@ -77,7 +77,7 @@ class SimulatedUser:
     if max_retries < 0:
       raise ValueError(f"max_retries must be >= 0, got {max_retries}")
     self.backend = backend
-    self.rules = rules
+    self.emotion_rules = emotion_rules
     self.prompts = prompts
     self.max_retries = max_retries
     self.on_failure = on_failure
@@ -98,7 +98,8 @@ class SimulatedUser:
 
   def start(self, profiles: Sequence[Profile]) -> list[Dialogue]:
     """New dialogues, each opened by the simulated user."""
-    dialogues = [Dialogue(profile=p, emotion=self.rules.initial, emotions=[self.rules.initial])
+    initial = self.emotion_rules.initial
+    dialogues = [Dialogue(profile=p, emotion=initial, emotions=[initial])
                  for p in profiles]
     to_generate = [d for d in dialogues if not d.profile.first_talk]
     for d in dialogues:
@@ -127,7 +128,7 @@ class SimulatedUser:
       if seen != reply:
         entry["raw_content"] = reply
       d.history.append(entry)
-      if dynamics.last_reply_unjudged(self.rules, d.agent_turns):
+      if dynamics.last_reply_unjudged(self.emotion_rules, d.agent_turns):
         # SAGE: the agent's last reply ends the dialogue; no planning or reply call.
         d.end_reason = dynamics.MAX_TURNS
         self._count(f"sim/end/{d.end_reason}")
@@ -140,7 +141,7 @@ class SimulatedUser:
       if isinstance(planning, str):
         self._fail(d, planning)
         continue
-      d.emotion = dynamics.update(self.rules, d.emotion, planning.change)
+      d.emotion = dynamics.update(self.emotion_rules, d.emotion, planning.change)
       d.emotions.append(d.emotion)
       judged.append((d, planning))
 
@@ -156,7 +157,7 @@ class SimulatedUser:
           "planning": {"content": planning.content, "TargetCompletion": planning.target_completion,
                        "activity": planning.activity, "analyse": planning.analyse,
                        "change": planning.change}})
-      d.end_reason = dynamics.end_reason(self.rules, d.emotion, d.agent_turns,
+      d.end_reason = dynamics.end_reason(self.emotion_rules, d.emotion, d.agent_turns,
                                          self.says_goodbye(reply.response))
       if d.end_reason:
         self._count(f"sim/end/{d.end_reason}")

@@ -172,7 +172,7 @@ def both_engines(chat_policy, user_factory=make_user, **config):
   sampler, formatter, demo = chat_policy
   config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=0.0, **config)
   return [rollout_lib.collect(sampler, formatter, user_factory(), demo, dataclasses.replace(
-      config, engine=engine), seed=1) for engine in ("lockstep", "continuous")]
+      config, engine=engine), jax.random.key(1)) for engine in ("lockstep", "continuous")]
 
 
 def assert_same_rollouts(lockstep, continuous):
@@ -231,10 +231,10 @@ def test_a_slow_failing_simulator_call_does_not_hold_up_other_dialogues(chat_pol
   sampler, formatter, demo = chat_policy
   config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=0.0, max_dialogue_tokens=30)
   backend = SlowForOne(demo[0].id)
-  first = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, seed=1)
+  first = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, jax.random.key(1))
   # Again, the failing call now hanging until the others made every call they made before.
   backend.hold_for, backend.calls = backend.calls, 0
-  rollout = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, seed=1)
+  rollout = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, jax.random.key(1))
   assert backend.others_went_on  # the other dialogues ran to their end meanwhile
   slow, *others = rollout.dialogues
   assert slow.end_reason == "simulator_error" and slow.agent_turns == 1

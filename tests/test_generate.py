@@ -101,9 +101,9 @@ def test_chat_mode_reuses_the_dialogue_cache(tiny_checkpoint, monkeypatch):
   extends = []
   original = Sampler.extend
 
-  def spy(self, convs, new_tokens, params):
+  def spy(self, convs, new_tokens, params, key):
     extends.append((id(convs), len(new_tokens[0])))
-    return original(self, convs, new_tokens, params)
+    return original(self, convs, new_tokens, params, key)
 
   monkeypatch.setattr(Sampler, "extend", spy)
   stdout = io.StringIO()

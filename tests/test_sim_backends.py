@@ -136,8 +136,9 @@ def test_config_defaults_drop_failed_training_dialogues_and_list_failed_evaluati
     cfg.backend = "scripted"
   train_user = simulator_factory.make_simulated_user(train_cfg)
   eval_user = simulator_factory.make_simulated_user(eval_cfg)
-  assert (train_user.rules.max_agent_turns, train_user.rules.judge_last_reply) == (9, True)
-  assert (eval_user.rules.max_agent_turns, eval_user.rules.judge_last_reply) == (10, False)
+  train_rules, eval_rules = train_user.emotion_rules, eval_user.emotion_rules
+  assert (train_rules.max_agent_turns, train_rules.judge_last_reply) == (9, True)
+  assert (eval_rules.max_agent_turns, eval_rules.judge_last_reply) == (10, False)
   assert train_user.target_header == "Reason" and eval_user.target_header == "TargetCompletion"
 
   # A dialogue the simulator fails is left out of training (reward None, not 0), and listed
@@ -156,7 +157,7 @@ def test_config_defaults_drop_failed_training_dialogues_and_list_failed_evaluati
       "sim/failed_dialogues"] == 1
 
   train_cfg.max_agent_turns = 8  # the paper's count
-  assert simulator_factory.make_simulated_user(train_cfg).rules.max_agent_turns == 8
+  assert simulator_factory.make_simulated_user(train_cfg).emotion_rules.max_agent_turns == 8
   train_cfg.max_agent_turns = -1
   with pytest.raises(UserInputError, match="sim_user.max_agent_turns=-1"):
     simulator_factory.make_simulated_user(train_cfg)
