@@ -14,6 +14,7 @@ from models import qwen2
 from models.sampler import Sampler, SamplingParams, row_bucket_sizes
 from rl import rollout as rollout_lib
 from rlver_jax import policy as policy_lib
+from rlver_jax import sharding
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError
@@ -115,8 +116,13 @@ def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
 
 
 def test_bf16_sampling_weights_refresh_without_recompiling(model):
-  sampler = Sampler(model, stop_token_ids=[STOP], sampling_dtype=jnp.bfloat16)
-  assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(sampler.state))
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  sampler = Sampler(model, stop_token_ids=[STOP], sampling_dtype=jnp.bfloat16, mesh=mesh)
+  weights = jax.tree.leaves(sampler.state)
+  assert all(x.dtype == jnp.bfloat16 for x in weights)
+  # The decode layout: split over tensor, never over fsdp (no all-gather per token).
+  assert any("tensor" in x.sharding.spec for x in weights)
+  assert not any("fsdp" in str(x.sharding.spec) for x in weights)
   cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), nnx_state(model))
   expected = Sampler(with_state(model, cast), stop_token_ids=[STOP]).generate(PROMPTS, GREEDY)
   assert sampler.generate(PROMPTS, GREEDY).tokens == expected.tokens
