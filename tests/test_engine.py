@@ -1,7 +1,6 @@
 """The row-level sampler against the batch sampler; the continuous rollout engine against
 the lockstep one."""
 
-import collections
 import dataclasses
 import threading
 
@@ -9,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import qwen2
 from models.sampler import Sampler, SamplingParams, row_bucket_sizes
@@ -123,8 +123,9 @@ def test_bf16_sampling_weights_refresh_without_recompiling(model):
   # The decode layout: split over tensor, never over fsdp (no all-gather per token).
   assert any("tensor" in x.sharding.spec for x in weights)
   assert not any("fsdp" in str(x.sharding.spec) for x in weights)
-  cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), nnx_state(model))
-  expected = Sampler(with_state(model, cast), stop_token_ids=[STOP]).generate(PROMPTS, GREEDY)
+  graphdef, state = nnx.split(model)
+  cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), state)
+  expected = Sampler(nnx.merge(graphdef, cast), stop_token_ids=[STOP]).generate(PROMPTS, GREEDY)
   assert sampler.generate(PROMPTS, GREEDY).tokens == expected.tokens
   other = qwen2.init_random(CONFIG, seed=1)
   sampler.update_weights(other)
@@ -139,17 +140,6 @@ def test_row_buckets_pad_little():
   assert sizes[:8] == list(range(1, 9)) and sizes[-1] >= 100
   assert all(b <= 1.5 * a for a, b in zip(sizes[7:], sizes[8:]))
   assert row_bucket_sizes(30, multiple=4) == [4, 8, 12, 16, 24, 32]
-
-
-def nnx_state(model):
-  from flax import nnx
-  return nnx.state(model)
-
-
-def with_state(model, state):
-  from flax import nnx
-  graphdef, _ = nnx.split(model)
-  return nnx.merge(graphdef, state)
 
 
 # The continuous engine against the lockstep one, on a tiny chat model and the scripted user.
