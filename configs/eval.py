@@ -38,4 +38,5 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.eval.temperature = 0.0  # greedy: the score does not depend on a seed
   c.eval.top_p = 1.0
   c.eval.top_k = 0
+  c.eval.engine = "continuous"  # or lockstep (rl/rollout.py)
   return c

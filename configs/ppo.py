@@ -60,6 +60,8 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
+  # continuous: batching across turns (rl/engine.py); lockstep: one sampler call per round
+  c.rollout.engine = "continuous"
 
   c.rl = ml_collections.ConfigDict()
   c.rl.algorithm = "ppo"

@@ -46,8 +46,16 @@ def _as_tuple(axes) -> tuple[str, ...]:
   return tuple(axes)
 
 
+# Sampling weights: split over tensor only, whole on every data/fsdp shard, so a
+# decode step gathers no weights. Activations and caches keep the training rules.
+DECODE_SHARDING_RULES: dict[str, tuple[str, ...]] = {
+    name: axes if name in ("batch", "seq", "cache_seq")
+    else tuple(a for a in axes if a not in SHARDING_RULES["batch"] and a != "fsdp")
+    for name, axes in SHARDING_RULES.items()}
+
+
 def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int],
-                    mesh: Mesh) -> PartitionSpec:
+                    mesh: Mesh, rules=SHARDING_RULES) -> PartitionSpec:
   """PartitionSpec for an array of `shape` whose dimensions carry `logical_axes`."""
   logical_axes = tuple(logical_axes)
   if len(logical_axes) != len(shape):
@@ -55,11 +63,11 @@ def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int],
   used: set[str] = set()
   spec = []
   for name, size in zip(logical_axes, shape):
-    if name is not None and name not in SHARDING_RULES:
+    if name is not None and name not in rules:
       raise KeyError(f"no sharding rule for logical axis {name!r}; rules cover "
-                     f"{sorted(SHARDING_RULES)}")
+                     f"{sorted(rules)}")
     chosen = []
-    for axis in _as_tuple(None if name is None else SHARDING_RULES[name]):
+    for axis in _as_tuple(None if name is None else rules[name]):
       if axis not in mesh.shape or axis in used or mesh.shape[axis] == 1:
         continue
       if size % (int(np.prod([mesh.shape[a] for a in chosen])) * mesh.shape[axis]):
@@ -75,8 +83,8 @@ def mesh_axes(logical_name: str, mesh: Mesh) -> tuple[str, ...]:
   return tuple(a for a in _as_tuple(SHARDING_RULES.get(logical_name)) if mesh.shape.get(a, 1) > 1)
 
 
-def named_sharding(logical_axes, shape, mesh: Mesh) -> NamedSharding:
-  return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh))
+def named_sharding(logical_axes, shape, mesh: Mesh, rules=SHARDING_RULES) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(logical_axes, shape, mesh, rules))
 
 
 def batch_sharding(shape, mesh: Mesh) -> NamedSharding:
@@ -84,15 +92,15 @@ def batch_sharding(shape, mesh: Mesh) -> NamedSharding:
   return named_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh)
 
 
-def state_shardings(state: nnx.State, mesh: Mesh):
-  """`state` with each variable's value replaced by its NamedSharding."""
+def state_shardings(state: nnx.State, mesh: Mesh, rules=SHARDING_RULES):
+  """`state` with each variable's value replaced by its NamedSharding under `rules`."""
 
   def leaf_sharding(variable: nnx.Variable):
     axes = variable.get_metadata().get("logical_axes")
     shape = variable.get_value().shape
     if axes is None:  # not annotated: replicate
       return variable.replace(NamedSharding(mesh, PartitionSpec()))
-    return variable.replace(named_sharding(axes, shape, mesh))
+    return variable.replace(named_sharding(axes, shape, mesh, rules))
 
   return jax.tree.map(leaf_sharding, state, is_leaf=lambda x: isinstance(x, nnx.Variable))
 

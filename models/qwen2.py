@@ -163,17 +163,25 @@ PRESETS: dict[str, Qwen2Config] = {
 
 @struct.dataclass
 class KVCache:
-  """Static-shape decoding cache shared by all layers.
+  """Static-shape decoding cache shared by all layers, in one of two layouts.
 
-  Every call appends its T new tokens (padding included) at slots
-  [length, length + T) of every row; padding slots get position -1 and are
-  never attended. The caller keeps length + T <= S (the sampler checks it).
+  Shared length (`length` is a scalar): every call appends its T new tokens
+  (padding included) at slots [length, length + T) of every row; padding
+  slots get position -1 and are never attended. The caller keeps
+  length + T <= S (the sampler checks it).
+
+  Per-row lengths (`length` is [B], from `init_rows`): each row holds its own
+  tokens contiguously, slot = position, and `length[b]` of them. A call's
+  new tokens are right-padded (real tokens first); row b's are written from
+  slot length[b] on and its length grows by its real-token count, so padding
+  and rows with no new tokens leave no holes. Writes past S are dropped; the
+  caller keeps length[b] + (real tokens) <= S.
   """
 
   k: Array  # [L, B, S, K, H]
   v: Array  # [L, B, S, K, H]
   kv_positions_bs: Array  # int32 [B, S], -1 where empty or padding
-  length: Array  # int32 [], slots written so far
+  length: Array  # int32 [] slots written so far, or int32 [B] tokens held per row
 
   @classmethod
   def init(cls, config: Qwen2Config, batch_size: int, max_len: int,
@@ -183,6 +191,17 @@ class KVCache:
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                kv_positions_bs=jnp.full((batch_size, max_len), -1, jnp.int32),
                length=jnp.zeros((), jnp.int32))
+
+  @classmethod
+  def init_rows(cls, config: Qwen2Config, batch_size: int, max_len: int,
+                dtype=jnp.bfloat16) -> "KVCache":
+    """An empty cache in the per-row layout."""
+    cache = cls.init(config, batch_size, max_len, dtype)
+    return cache.replace(length=jnp.zeros((batch_size,), jnp.int32))
+
+  @property
+  def per_row(self) -> bool:
+    return self.length.ndim == 1
 
   @property
   def max_len(self) -> int:
@@ -239,6 +258,23 @@ def rope(x_btnh: Array, positions_bt: Array, theta: float) -> Array:
   return out.astype(x_btnh.dtype)
 
 
+def write_slots(cache_bs_, new_bt_, write_index, layer=None) -> Array:
+  """Writes new entries [B, T, ...] into a cache [B, S, ...] (or [L, B, S, ...] at `layer`).
+
+  `write_index`: one slot for every row (a scalar, shared layout) or each
+  row's own first slot ([B], per-row layout; writes past S are dropped).
+  """
+  lead = () if layer is None else (layer,)
+  if jnp.ndim(write_index) == 0:
+    start = lead + (0, write_index) + (0,) * (new_bt_.ndim - 2)
+    new = new_bt_ if layer is None else new_bt_[None]
+    return jax.lax.dynamic_update_slice(cache_bs_, new, start)
+  b, t = new_bt_.shape[:2]
+  slots_bt = write_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+  index = lead + (jnp.arange(b)[:, None], slots_bt)
+  return cache_bs_.at[index].set(new_bt_, mode="drop")
+
+
 class Attention(nnx.Module):
 
   def __init__(self, config: Qwen2Config, *, param_dtype, implementation: str = "auto",
@@ -278,9 +314,8 @@ class Attention(nnx.Module):
       k_bskh, v_bskh = k_btkh, v_btkh
     else:
       k_btkh, v_btkh = k_btkh.astype(k_cache_bskh.dtype), v_btkh.astype(v_cache_bskh.dtype)
-      start = (0, write_index, 0, 0)
-      k_bskh = jax.lax.dynamic_update_slice(k_cache_bskh, k_btkh, start)
-      v_bskh = jax.lax.dynamic_update_slice(v_cache_bskh, v_btkh, start)
+      k_bskh = write_slots(k_cache_bskh, k_btkh, write_index)
+      v_bskh = write_slots(v_cache_bskh, v_btkh, write_index)
 
     out_btnh = attention.attend(q_btnh, k_bskh, v_bskh, positions_bt, kv_positions_bs,
                                 implementation=self.implementation,
@@ -377,7 +412,10 @@ def _stacked_layers(config: Qwen2Config, *, param_dtype, attention: str,
 def default_positions(attention_mask_bt: Array, cache: KVCache | None) -> Array:
   """Positions of new tokens: consecutive over real tokens, after the cache's."""
   mask = attention_mask_bt.astype(jnp.int32)
-  offset_b = 0 if cache is None else cache.next_positions_b
+  if cache is None:
+    offset_b = 0
+  else:
+    offset_b = cache.length if cache.per_row else cache.next_positions_b
   positions_bt = jnp.cumsum(mask, axis=1) - 1 + jnp.asarray(offset_b)[..., None]
   return jnp.maximum(positions_bt, 0)
 
@@ -414,6 +452,11 @@ class Qwen2Backbone(nnx.Module):
     new_kv_positions_bt = jnp.where(attention_mask_bt, positions_bt, -1)
     if cache is None:
       kv_positions_bs = new_kv_positions_bt
+    elif cache.per_row:
+      # Slot = position; a row sees its first new_length slots, whatever was there before.
+      new_length_b = cache.length + jnp.sum(attention_mask_bt, axis=1, dtype=jnp.int32)
+      slots_1s = jnp.arange(cache.max_len, dtype=jnp.int32)[None]
+      kv_positions_bs = jnp.where(slots_1s < new_length_b[:, None], slots_1s, -1)
     else:
       kv_positions_bs = jax.lax.dynamic_update_slice(
           cache.kv_positions_bs, new_kv_positions_bt, (0, cache.length))
@@ -438,16 +481,17 @@ class Qwen2Backbone(nnx.Module):
       layer = nnx.merge(layer_graph, state)
       x_btd, k_btkh, v_btkh = layer(x_btd, positions_bt, kv_positions_bs, k_lbskh[i],
                                     v_lbskh[i], cache.length)
-      start = (i, 0, cache.length, 0, 0)
-      k_lbskh = jax.lax.dynamic_update_slice(k_lbskh, k_btkh[None], start)
-      v_lbskh = jax.lax.dynamic_update_slice(v_lbskh, v_btkh[None], start)
+      k_lbskh = write_slots(k_lbskh, k_btkh, cache.length, layer=i)
+      v_lbskh = write_slots(v_lbskh, v_btkh, cache.length, layer=i)
       return (constrain(x_btd, _RESIDUAL_AXES), k_lbskh, v_lbskh), None
 
     layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
     (x_btd, k, v), _ = jax.lax.scan(cached_body, (x_btd, cache.k, cache.v),
                                     (layer_state, layer_index))
+    written = (jnp.sum(attention_mask_bt, axis=1, dtype=jnp.int32) if cache.per_row
+               else input_ids_bt.shape[1])
     new_cache = KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs,
-                        length=cache.length + input_ids_bt.shape[1])
+                        length=cache.length + written)
     return self.final_norm(x_btd), new_cache
 
 

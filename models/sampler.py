@@ -20,6 +20,16 @@ update the `Conversations` in place: its cache is donated to every call.
 
 Every call returns `Completions`, one continuation per row; a training
 sequence (`rl.agent.Sample`) is built from them by the agent.
+
+A `RowBatch` is the device state of dialogues handled one row at a time
+(continuous batching): a per-row-length cache (each row holds its own
+tokens contiguously, see `KVCache`) and each row's next-token logits.
+`prefill_rows` writes new tokens into chosen rows at their own offsets;
+`decode_rows` runs one jitted chunk of at most `decode_chunk_steps` steps for
+chosen rows (per-row token budgets, keys and stop tokens) and hands back
+what each produced. Rows not chosen keep their cache and cost nothing: a call
+gathers its rows into a small batch, runs, and scatters them back. Row
+counts are padded to `row_bucket` sizes, token counts to powers of two.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import time
 from typing import Sequence
 
 import jax
@@ -85,6 +96,67 @@ class Completions:
 
 
 @dataclasses.dataclass
+class DecodeStats:
+  """What a sampler's calls did, summed from its start (subtract two copies for a span)."""
+
+  seconds: float = 0.0  # wall time of prefill and decode calls, results fetched
+  row_steps: int = 0  # decoding rows, padding included, x decode steps run
+  tokens: int = 0  # tokens drawn for real rows
+  occupancy: float = 0.0  # over decode calls, sum of row_steps x (tokens held / cache slots)
+
+  def add(self, seconds: float, rows: int, steps: int, tokens: int, held: int,
+          slots: int) -> None:
+    self.seconds += seconds
+    self.row_steps += rows * steps
+    self.tokens += tokens
+    self.occupancy += rows * steps * held / max(slots, 1)
+
+  def since(self, earlier: "DecodeStats") -> "DecodeStats":
+    return DecodeStats(*(getattr(self, f.name) - getattr(earlier, f.name)
+                         for f in dataclasses.fields(self)))
+
+  def metrics(self) -> dict:
+    """`rollout/` figures of a span: slot efficiency (tokens / row-steps), cache occupancy of
+    the decoding batch (averaged over row-steps) and decode time."""
+    return {"rollout/slot_efficiency": self.tokens / max(self.row_steps, 1),
+            "rollout/cache_occupancy": self.occupancy / max(self.row_steps, 1),
+            "rollout/decode_s": self.seconds}
+
+
+@dataclasses.dataclass
+class RowBatch:
+  """Device state of dialogue rows handled one at a time (see `Sampler.prefill_rows`).
+
+  `lengths` mirrors the cache's per-row lengths on the host (tokens each row holds).
+  """
+
+  cache: KVCache  # per-row layout
+  logits_bv: jax.Array  # float32 [B, V]: each row's next-token logits
+  lengths: np.ndarray  # int [B]
+  num_rows: int
+
+  @property
+  def capacity(self) -> int:
+    return self.cache.max_len
+
+  @property
+  def batch_size(self) -> int:
+    return self.cache.kv_positions_bs.shape[0]
+
+
+@dataclasses.dataclass
+class RowChunk:
+  """What one `decode_rows` call produced, one entry per requested row."""
+
+  tokens: list[list[int]]  # new tokens (the stop token included when hit)
+  logprobs: list[list[float]]
+  finished: list[bool]  # hit a stop token or its budget
+  stopped: list[bool]  # hit a stop token
+  steps: int  # decode steps the chunk ran
+  width: int  # rows it decoded, padding included
+
+
+@dataclasses.dataclass
 class Conversations:
   """Device state of a batch of dialogues: the KV cache and what each real row is."""
 
@@ -108,6 +180,24 @@ class Conversations:
 def bucket_size(n: int, minimum: int = 1) -> int:
   """The power of two >= n (and >= minimum) that shapes of size n are padded to."""
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
+
+
+def row_bucket_sizes(limit: int, multiple: int = 1) -> list[int]:
+  """Row counts a row call is compiled for, up to the first one >= `limit`.
+
+  Every count up to 8, then steps of a half and a third (12, 16, 24, 32, 48,
+  ...), so a caller that decodes the largest size <= its ready rows leaves
+  at most a third of them for the next chunk and pads none; all multiples of
+  `multiple` (the data-parallel size).
+  """
+  sizes, n = [], 1
+  while True:
+    size = -(-n // multiple) * multiple
+    if not sizes or size > sizes[-1]:
+      sizes.append(size)
+    if size >= limit:
+      return sizes
+    n = n + 1 if n < 8 else (n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3)
 
 
 def sample_logits(logits_bv, key, temperature, top_p, *, greedy: bool, top_k: int,
@@ -157,25 +247,48 @@ class Sampler:
 
   def __init__(self, model: Qwen2, *, stop_token_ids: Sequence[int], pad_id: int = 0,
                mesh: Mesh | None = None, cache_dtype=None,
-               min_chunk_bucket: int = 16, min_cache_bucket: int = 256):
+               min_chunk_bucket: int = 16, min_cache_bucket: int = 256,
+               decode_chunk_steps: int = 32, sampling_dtype=None):
+    """`sampling_dtype` (opt-in, e.g. bfloat16): decode from a copy of the weights in
+    that dtype, placed by `partitioning.DECODE_SHARDING_RULES` (split over tensor only, so no
+    FSDP all-gather per token); `update_weights` refreshes it in place."""
     self.config = model.config
-    self.graphdef, self.state = nnx.split(model)
+    self.graphdef, state = nnx.split(model)
     self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
     self.pad_id = int(pad_id)
     self.mesh = mesh
     self.cache_dtype = jnp.dtype(cache_dtype or model.backbone.dtype)
     self.min_chunk_bucket = min_chunk_bucket
     self.min_cache_bucket = min_cache_bucket
-    self.state = partitioning.place_state(self.state, mesh)
+    self.decode_chunk_steps = decode_chunk_steps
+    self.sampling_dtype = None if sampling_dtype is None else jnp.dtype(sampling_dtype)
+    self.stats = DecodeStats()
+    self._cast = None
+    if self.sampling_dtype is not None:
+      shardings = (None if mesh is None else partitioning.state_shardings(
+          state, mesh, partitioning.DECODE_SHARDING_RULES))
+      cast = lambda new: jax.tree.map(lambda x: x.astype(self.sampling_dtype)
+                                      if jnp.issubdtype(x.dtype, jnp.floating) else x, new)
+      # The old copy is donated: a refresh writes into its buffers.
+      self._cast = jax.jit(lambda old, new: cast(new), donate_argnums=(0,),
+                           out_shardings=shardings)
+      self.state = jax.jit(cast, out_shardings=shardings)(state)
+    else:
+      self.state = partitioning.place_state(state, mesh)
     self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=(1,))
     self._decode = jax.jit(
         functools.partial(_decode, self.graphdef, self.stop_token_ids, self.pad_id),
         donate_argnums=(1,), static_argnames=("max_new_tokens", "greedy", "top_k", "use_top_p"))
+    self._prefill_rows = jax.jit(functools.partial(_prefill_rows, self.graphdef),
+                                 donate_argnums=(1, 2))
+    self._decode_rows = jax.jit(
+        functools.partial(_decode_rows, self.graphdef, self.stop_token_ids, self.pad_id),
+        donate_argnums=(1, 2), static_argnames=("steps", "greedy", "top_k", "use_top_p"))
 
   def update_weights(self, model_or_state) -> None:
     """Uses new weights (a model or its state) without recompiling."""
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
-    self.state = state
+    self.state = state if self._cast is None else self._cast(self.state, state)
 
   # Placement.
 
@@ -246,11 +359,13 @@ class Sampler:
     convs.reply_ended = [convs.reply_ended[r] for r in rows]
 
   def extend(self, convs: Conversations, new_tokens: Sequence[Sequence[int]],
-             params: SamplingParams, key: jax.Array | None = None) -> Completions:
+             params: SamplingParams, key: jax.Array | None = None,
+             budgets: Sequence[int] | None = None) -> Completions:
     """Appends each row's new tokens to its dialogue, then samples a continuation per row.
 
     Row r draws its tokens with `key` folded with its row id (see `start`);
-    greedy decoding (temperature 0) needs no key.
+    greedy decoding (temperature 0) needs no key. `budgets[r]` (at most
+    `params.max_new_tokens`, the default) caps row r's continuation.
     """
     if key is None:
       if params.temperature:
@@ -273,23 +388,29 @@ class Sampler:
       tokens_bt[row, chunk - len(tokens):] = tokens
       mask_bt[row, chunk - len(tokens):] = True
     done_b = np.arange(batch) >= convs.num_rows
+    budget_b = np.zeros((batch,), np.int32)
+    budget_b[:convs.num_rows] = params.max_new_tokens if budgets is None else np.minimum(
+        budgets, params.max_new_tokens)
     row_ids_b = np.zeros((batch,), np.int32)
     row_ids_b[:convs.num_rows] = convs.row_ids
 
+    start = time.perf_counter()
     with partitioning.mesh_context(self.mesh):
       logits_bv, convs.cache = self._prefill(
           self.state, convs.cache, self._put(tokens_bt, ("batch", None)),
           self._put(mask_bt, ("batch", None)))
-      out_tokens, out_logprobs, lengths, stopped, convs.cache = self._decode(
+      out_tokens, out_logprobs, lengths, stopped, held, convs.cache = self._decode(
           self.state, convs.cache, logits_bv, self._put(done_b, ("batch",)),
-          key, self._put(row_ids_b, ("batch",)),
+          self._put(budget_b, ("batch",)), key, self._put(row_ids_b, ("batch",)),
           jnp.float32(params.temperature or 1.0),
           jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens,
           greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
 
-    out_tokens, out_logprobs, lengths, stopped = jax.device_get(
-        (out_tokens, out_logprobs, lengths, stopped))
+    out_tokens, out_logprobs, lengths, stopped, held = jax.device_get(
+        (out_tokens, out_logprobs, lengths, stopped, held))
     rows = range(convs.num_rows)
+    self.stats.add(time.perf_counter() - start, batch, int(max(lengths[r] for r in rows)),
+                   int(sum(lengths[r] for r in rows)), int(held), batch * convs.capacity)
     convs.reply_ended = [bool(stopped[r]) for r in rows]
     return Completions(
         tokens=[out_tokens[r, :lengths[r]].tolist() for r in rows],
@@ -307,6 +428,196 @@ class Sampler:
                        + params.max_new_tokens, row_ids)
     return self.extend(convs, prompts, params, key)
 
+  # Rows, one dialogue at a time.
+
+  def row_bucket(self, num_rows: int) -> int:
+    """The compiled row count a call on `num_rows` rows is padded to."""
+    return next(s for s in row_bucket_sizes(num_rows, self.data_parallel_size())
+                if s >= num_rows)
+
+  def start_rows(self, num_rows: int, capacity: int = 0) -> RowBatch:
+    """`num_rows` empty rows (capacity grows on demand)."""
+    batch = math.lcm(num_rows, self.data_parallel_size())
+    slots = bucket_size(capacity, self.min_cache_bucket)
+    cache = self._place_cache(KVCache.init_rows(self.config, batch, slots, self.cache_dtype))
+    logits_bv = self._put(jnp.zeros((batch, self.config.vocab_size), jnp.float32),
+                          ("batch", None))
+    return RowBatch(cache=cache, logits_bv=logits_bv, lengths=np.zeros(batch, np.int64),
+                    num_rows=num_rows)
+
+  def _grow_rows(self, rb: RowBatch, needed_slots: int) -> None:
+    if needed_slots <= rb.capacity:
+      return
+    extra = bucket_size(needed_slots, self.min_cache_bucket) - rb.capacity
+    cache = rb.cache
+    pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+    rb.cache = self._place_cache(KVCache(
+        k=pad_kv(cache.k), v=pad_kv(cache.v),
+        kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
+        length=cache.length))
+
+  def _row_index(self, rb: RowBatch, rows: Sequence[int], width: int) -> np.ndarray:
+    """Row ids padded to `width` with an out-of-range id (read clamped, written nowhere)."""
+    if len(set(rows)) != len(rows) or any(not 0 <= r < rb.num_rows for r in rows):
+      raise IndexError(f"rows {list(rows)}: need distinct rows in [0, {rb.num_rows})")
+    index = np.full(width, rb.batch_size, np.int32)
+    index[:len(rows)] = rows
+    return index
+
+  def prefill_rows(self, rb: RowBatch, rows: Sequence[int], new_tokens: Sequence[Sequence[int]],
+                   restart: bool = False) -> None:
+    """Appends each row's new tokens at that row's own length (from 0 with `restart`)."""
+    if len(rows) != len(new_tokens) or not rows:
+      raise ValueError(f"{len(new_tokens)} token lists for {len(rows)} rows")
+    if any(not tokens for tokens in new_tokens):
+      raise ValueError("every row needs at least one new token")
+    # Powers of two: prefill pads a few rows rather than compiling for every row count.
+    index = self._row_index(rb, rows, self._batch_bucket(len(rows)))
+    if restart:
+      rb.lengths[list(rows)] = 0
+    self._grow_rows(rb, max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens)))
+    width = bucket_size(max(len(t) for t in new_tokens), self.min_chunk_bucket)
+    tokens_kt = np.full((len(index), width), self.pad_id, np.int32)
+    mask_kt = np.zeros((len(index), width), np.bool_)
+    for k, tokens in enumerate(new_tokens):
+      tokens_kt[k, :len(tokens)] = tokens  # right-padded: the row's tokens stay contiguous
+      mask_kt[k, :len(tokens)] = True
+    restart_k = np.full(len(index), restart)
+    start = time.perf_counter()
+    with partitioning.mesh_context(self.mesh):
+      rb.cache, rb.logits_bv = self._prefill_rows(
+          self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
+          self._put(tokens_kt, ("batch", None)), self._put(mask_kt, ("batch", None)),
+          self._put(restart_k, ("batch",)))
+      jax.block_until_ready(rb.logits_bv)
+    self.stats.seconds += time.perf_counter() - start
+    for r, tokens in zip(rows, new_tokens):
+      rb.lengths[r] += len(tokens)
+
+  def decode_rows(self, rb: RowBatch, rows: Sequence[int], budgets: Sequence[int],
+                  params: SamplingParams, keys: Sequence[jax.Array] | None,
+                  row_ids: Sequence[int], offsets: Sequence[int], steps: int | None = None,
+                  stop_after_finished: int = 0) -> RowChunk:
+    """Decodes up to `steps` (default `decode_chunk_steps`) tokens for each given row.
+
+    A row stops at a stop token or after `budgets[r]` tokens. Row r draws step
+    i of its reply with keys[r] folded with row_ids[r], then with offsets[r] + i
+    (offsets: tokens of this reply drawn by earlier chunks), so its tokens
+    equal `extend`'s with the same key and row id, whatever the chunking;
+    greedy decoding needs no keys. `stop_after_finished` > 0 ends the chunk
+    early once that many rows finished (their places can then be refilled).
+    """
+    start = time.perf_counter()
+    steps = steps or self.decode_chunk_steps
+    if any(b < 1 for b in budgets):
+      raise ValueError(f"budgets {list(budgets)}: every row needs at least one token")
+    index = self._row_index(rb, rows, self.row_bucket(len(rows)))
+    self._grow_rows(rb, max(int(rb.lengths[r]) + min(b, steps) for r, b in zip(rows, budgets)))
+    width, n = len(index), len(rows)
+    pad = lambda values: np.concatenate([np.asarray(values, np.int32),
+                                         np.zeros(width - n, np.int32)])
+    if keys is None:
+      if params.temperature:
+        raise ValueError("sampling at temperature > 0 needs keys")
+      keys = [jax.random.key(0)] * n  # drawn from by no row: greedy decoding takes the argmax
+    keys_k = jnp.stack(list(keys) + [keys[0]] * (width - n))
+    with partitioning.mesh_context(self.mesh):
+      out = self._decode_rows(
+          self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
+          self._put(pad(budgets), ("batch",)), self._put(keys_k, ("batch",)),
+          self._put(pad(row_ids), ("batch",)), self._put(pad(offsets), ("batch",)),
+          jnp.float32(params.temperature or 1.0), jnp.float32(params.top_p),
+          jnp.int32(stop_after_finished or width + 1), steps=steps,
+          greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
+      tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run, rb.cache, rb.logits_bv = out
+    tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run = jax.device_get(
+        (tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run))
+    finished = [bool(stopped_k[k]) or counts_k[k] >= budgets[k] for k in range(n)]
+    for k, r in enumerate(rows):
+      rb.lengths[r] += int(counts_k[k])
+    self.stats.add(time.perf_counter() - start, width, int(steps_run), int(counts_k[:n].sum()),
+                   int(rb.lengths[list(rows)].sum()), width * rb.capacity)
+    return RowChunk(tokens=[tokens_kn[k, :counts_k[k]].tolist() for k in range(n)],
+                    logprobs=[logprobs_kn[k, :counts_k[k]].tolist() for k in range(n)],
+                    finished=finished, stopped=[bool(stopped_k[k]) for k in range(n)],
+                    steps=int(steps_run), width=width)
+
+
+def _gather_rows(cache: KVCache, logits_bv, index_k):
+  """The cache rows and logits of `index_k` (out-of-range ids read the last row)."""
+  take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")
+  return KVCache(k=take(cache.k, 1), v=take(cache.v, 1),
+                 kv_positions_bs=take(cache.kv_positions_bs, 0),
+                 length=take(cache.length, 0)), take(logits_bv, 0)
+
+
+def _scatter_rows(cache: KVCache, logits_bv, index_k, rows: KVCache, row_logits_kv):
+  """Writes rows back at `index_k` (out-of-range ids are dropped)."""
+  put = lambda x, axis, new: (x.at[:, index_k] if axis else x.at[index_k]).set(new, mode="drop")
+  return KVCache(k=put(cache.k, 1, rows.k), v=put(cache.v, 1, rows.v),
+                 kv_positions_bs=put(cache.kv_positions_bs, 0, rows.kv_positions_bs),
+                 length=put(cache.length, 0, rows.length)), put(logits_bv, 0, row_logits_kv)
+
+
+def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt, restart_k):
+  """Writes right-padded new tokens into rows `index_k`; keeps each row's last logits."""
+  model = nnx.merge(graphdef, state)
+  rows, _ = _gather_rows(cache, logits_bv, index_k)
+  rows = rows.replace(length=jnp.where(restart_k, 0, rows.length))
+  hidden_ktd, rows = model.backbone(tokens_kt, attention_mask=mask_kt, cache=rows)
+  last_k = jnp.sum(mask_kt, axis=1) - 1
+  hidden_kd = jnp.take_along_axis(hidden_ktd, last_k[:, None, None], axis=1)
+  row_logits_kv = model.logits(hidden_kd)[:, 0]
+  return _scatter_rows(cache, logits_bv, index_k, rows, row_logits_kv)
+
+
+def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, index_k, budget_k,
+                 key_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
+                 greedy, top_k, use_top_p):
+  """One chunk of `_decode` steps on the gathered rows, written back at the end.
+
+  Returns tokens and logprobs [K, steps], tokens drawn [K], stopped [K], steps run.
+  """
+  model = nnx.merge(graphdef, state)
+  rows, row_logits_kv = _gather_rows(cache, logits_bv, index_k)
+  width = index_k.shape[0]
+  stop_ids = jnp.asarray(stop_token_ids, jnp.int32)
+  row_keys_k = jax.vmap(jax.random.fold_in)(key_k, row_id_k)
+  done_k = budget_k <= 0
+
+  def cond(carry):
+    step, _, _, _, _, done_k, _, _ = carry
+    finished = jnp.sum(done_k & (budget_k > 0))
+    return (step < steps) & ~jnp.all(done_k) & (finished < stop_after_finished)
+
+  def body(carry):
+    step, tokens_kn, logprobs_kn, counts_k, stopped_k, done_k, logits_kv, rows = carry
+    step_keys_k = jax.vmap(jax.random.fold_in)(row_keys_k, offset_k + step)
+    token_k, logprob_k = sample_logits(logits_kv, step_keys_k, temperature, top_p,
+                                       greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+    live_k = ~done_k
+    token_k = jnp.where(live_k, token_k, pad_id)
+    tokens_kn = jax.lax.dynamic_update_slice(tokens_kn, token_k[:, None], (0, step))
+    logprobs_kn = jax.lax.dynamic_update_slice(
+        logprobs_kn, jnp.where(live_k, logprob_k, 0.0)[:, None], (0, step))
+    counts_k = counts_k + live_k
+    hit_stop_k = live_k & jnp.any(token_k[:, None] == stop_ids[None, :], axis=-1)
+    stopped_k = stopped_k | hit_stop_k
+    hidden_k1d, rows = model.backbone(token_k[:, None], attention_mask=live_k[:, None],
+                                      cache=rows)
+    # A row that is done keeps the logits after its last token.
+    logits_kv = jnp.where(live_k[:, None], model.logits(hidden_k1d)[:, 0], logits_kv)
+    done_k = done_k | hit_stop_k | (counts_k >= budget_k)
+    return (step + 1, tokens_kn, logprobs_kn, counts_k, stopped_k, done_k, logits_kv, rows)
+
+  carry = (jnp.int32(0), jnp.full((width, steps), pad_id, jnp.int32),
+           jnp.zeros((width, steps), jnp.float32), jnp.zeros((width,), jnp.int32),
+           jnp.zeros((width,), jnp.bool_), done_k, row_logits_kv, rows)
+  step, tokens_kn, logprobs_kn, counts_k, stopped_k, _, row_logits_kv, rows = jax.lax.while_loop(
+      cond, body, carry)
+  cache, logits_bv = _scatter_rows(cache, logits_bv, index_k, rows, row_logits_kv)
+  return tokens_kn, logprobs_kn, counts_k, stopped_k, step, cache, logits_bv
+
 
 def _prefill(graphdef, state, cache, tokens_bt, mask_bt):
   """Writes the new tokens into the cache; returns the last column's logits [B, V]."""
@@ -315,9 +626,9 @@ def _prefill(graphdef, state, cache, tokens_bt, mask_bt):
   return model.logits(hidden_btd[:, -1:])[:, 0], cache
 
 
-def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, key, row_ids_b,
-            temperature, top_p, *, max_new_tokens, greedy, top_k, use_top_p):
-  """Samples until every row hit a stop token or `max_new_tokens` were drawn.
+def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, budget_b, key,
+            row_ids_b, temperature, top_p, *, max_new_tokens, greedy, top_k, use_top_p):
+  """Samples until every row hit a stop token or its budget (<= `max_new_tokens`) of tokens.
 
   Each step samples from the current logits, then feeds the sampled token
   through the model, so the cache ends holding every returned token.
@@ -347,12 +658,13 @@ def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, k
     hidden_btd, cache = model.backbone(token_b[:, None], attention_mask=live_b[:, None],
                                        cache=cache)
     logits_bv = model.logits(hidden_btd)[:, 0]
-    return (step + 1, tokens_bn, logprobs_bn, lengths_b, stopped_b, done_b | hit_stop_b,
-            logits_bv, cache)
+    done_b = done_b | hit_stop_b | (lengths_b >= budget_b)
+    return (step + 1, tokens_bn, logprobs_bn, lengths_b, stopped_b, done_b, logits_bv, cache)
 
   carry = (jnp.int32(0), jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
            jnp.zeros((batch, max_new_tokens), jnp.float32), jnp.zeros((batch,), jnp.int32),
            jnp.zeros((batch,), jnp.bool_), done_b, logits_bv, cache)
   _, tokens_bn, logprobs_bn, lengths_b, stopped_b, _, _, cache = jax.lax.while_loop(
       cond, body, carry)
-  return tokens_bn, logprobs_bn, lengths_b, stopped_b, cache
+  held = jnp.sum((cache.kv_positions_bs >= 0) & ~done_b[:, None])  # real rows' tokens
+  return tokens_bn, logprobs_bn, lengths_b, stopped_b, held, cache

@@ -24,7 +24,7 @@ from typing import Sequence
 import jax
 
 from models.chat import ChatFormatter
-from models.sampler import LENGTH, Completions, Sampler, SamplingParams
+from models.sampler import Sampler, SamplingParams
 from sim_user import dynamics
 from sim_user.simulator import Dialogue
 from sim_user.thinking import split_thinking
@@ -71,9 +71,29 @@ class Agent:
     self.generated_turns = 0
     self.cut_off_turns = 0  # turns that hit max_new_tokens (stop reason LENGTH)
 
+  # Whether a turn's tokens start the dialogue's cache row over (thinking) or follow it.
+  restarts_rows = False
+
   def act(self, dialogues: Sequence[Dialogue], live: Sequence[int], key: jax.Array) -> list[str]:
     """One reply per live dialogue (in `live`'s order), thoughts included, stop token cut."""
     raise NotImplementedError
+
+  # One dialogue at a time (rl.engine): what to prefill, then what came of it.
+
+  def next_tokens(self, dialogue: Dialogue, i: int) -> list[int]:
+    """What dialogue i's cache row needs before its next turn (see `restarts_rows`)."""
+    raise NotImplementedError
+
+  def record(self, dialogue: Dialogue, i: int, fed: Sequence[int], tokens: Sequence[int],
+             logprobs: Sequence[float], ended: bool) -> str:
+    """Keeps dialogue i's turn (`fed`: its `next_tokens`); returns the reply's text."""
+    raise NotImplementedError
+
+  def text(self, tokens: Sequence[int], ended: bool) -> str:
+    """A reply's text without its stop token; special tokens stay (<think> may be one, and
+    the format check needs it)."""
+    return self.formatter.tokenizer.decode(list(tokens[:-1] if ended else tokens),
+                                           skip_special_tokens=False)
 
   def samples(self, dialogues: Sequence[Dialogue], groups: Sequence[int],
               reward: str) -> list[Sample]:
@@ -90,15 +110,10 @@ class Agent:
             "agent_turns/cut_off": self.cut_off_turns,
             "agent_turns/cut_off_rate": 100.0 * self.cut_off_turns / max(self.generated_turns, 1)}
 
-  def _count(self, live: Sequence[int], out: Completions) -> None:
-    for i, tokens, reason in zip(live, out.tokens, out.stop_reasons):
-      self.agent_tokens[i] += len(tokens)
-      self.generated_turns += 1
-      self.cut_off_turns += reason == LENGTH
-
-  def _texts(self, out: Completions) -> list[str]:
-    # Special tokens stay: <think> may be one, and the format check needs it.
-    return out.texts(self.formatter.tokenizer, skip_special_tokens=False)
+  def _count(self, i: int, tokens: Sequence[int], ended: bool) -> None:
+    self.agent_tokens[i] += len(tokens)
+    self.generated_turns += 1
+    self.cut_off_turns += not ended
 
 
 class _Sequence:
@@ -126,6 +141,7 @@ class CachedDialogues(Agent):
   def __init__(self, *args, **kwargs):
     super().__init__(*args, **kwargs)
     self._sequences = [_Sequence() for _ in self.row_ids]
+    self._reply_ended = [True] * len(self.row_ids)  # per dialogue: its last reply hit a stop
     self._convs = None  # started by the first turn
     self._rows: list[int] = []  # the dialogue of each cache row
 
@@ -135,22 +151,26 @@ class CachedDialogues(Agent):
     elif list(live) != self._rows:  # finished dialogues leave the cache
       self.sampler.select(self._convs, [self._rows.index(i) for i in live])
     self._rows = list(live)
-    feeds = [self._new_tokens(dialogues[i], row) for row, i in enumerate(live)]
+    feeds = [self.next_tokens(dialogues[i], i) for i in live]
     out = self.sampler.extend(self._convs, feeds, self.sampling, key)
-    for i, feed, tokens, logprobs in zip(live, feeds, out.tokens, out.logprobs):
-      self._sequences[i].feed(feed)
-      self._sequences[i].generated(tokens, logprobs)
-    self._count(live, out)
-    return self._texts(out)
+    return [self.record(dialogues[i], i, feed, tokens, logprobs, ended) for i, feed, tokens,
+            logprobs, ended in zip(live, feeds, out.tokens, out.logprobs, out.ended)]
 
-  def _new_tokens(self, dialogue: Dialogue, row: int) -> list[int]:
+  def next_tokens(self, dialogue, i):
     """What the cache row lacks: the whole prompt at first, then the new user turn."""
     view = agent_view(dialogue, self.system_prompt, raw_replies=True)
-    if not self._sequences[self._rows[row]].tokens:
+    if not self._sequences[i].tokens:
       return self.formatter.prompt_ids(view)
     last_agent = max(k for k, m in enumerate(view) if m["role"] == "assistant")
-    return self.formatter.continuation_ids(view[:last_agent + 1], self._convs.reply_ended[row],
+    return self.formatter.continuation_ids(view[:last_agent + 1], self._reply_ended[i],
                                            view[last_agent + 1:])
+
+  def record(self, dialogue, i, fed, tokens, logprobs, ended):
+    self._sequences[i].feed(list(fed))
+    self._sequences[i].generated(list(tokens), logprobs)
+    self._reply_ended[i] = ended
+    self._count(i, tokens, ended)
+    return self.text(tokens, ended)
 
   def samples(self, dialogues, groups, reward):
     out = []
@@ -182,24 +202,34 @@ class ThinkingTurns(Agent):
     self.format_penalty_reward = format_penalty_reward
     self._turns: list[_ThinkingTurn] = []
 
+  restarts_rows = True
+
   def act(self, dialogues, live, key):
-    prompts = [self.formatter.prompt_ids(agent_view(dialogues[i], self.system_prompt,
-                                                    raw_replies=False)) for i in live]
+    prompts = [self.next_tokens(dialogues[i], i) for i in live]
     out = self.sampler.generate(prompts, self.sampling, key,
                                 row_ids=[self.row_ids[i] for i in live])
-    texts = self._texts(out)
-    for i, prompt, tokens, logprobs, text in zip(live, prompts, out.tokens, out.logprobs, texts):
-      sample = Sample(tokens=prompt + tokens, loss_mask=[0] * len(prompt) + [1] * len(tokens),
-                      logprobs=[0.0] * len(prompt) + list(logprobs), reward=0.0, group=0,
-                      dialogue=i)
-      self._turns.append(_ThinkingTurn(sample, dialogues[i].agent_turns,
-                                       split_thinking(text).well_formed))
-    self._count(live, out)
-    return texts
+    return [self.record(dialogues[i], i, prompt, tokens, logprobs, ended) for i, prompt, tokens,
+            logprobs, ended in zip(live, prompts, out.tokens, out.logprobs, out.ended)]
+
+  def next_tokens(self, dialogue, i):
+    """The whole dialogue so far, earlier thoughts left out."""
+    return self.formatter.prompt_ids(agent_view(dialogue, self.system_prompt, raw_replies=False))
+
+  def record(self, dialogue, i, fed, tokens, logprobs, ended):
+    prompt, tokens = list(fed), list(tokens)
+    text = self.text(tokens, ended)
+    sample = Sample(tokens=prompt + tokens, loss_mask=[0] * len(prompt) + [1] * len(tokens),
+                    logprobs=[0.0] * len(prompt) + list(logprobs), reward=0.0, group=0,
+                    dialogue=i)
+    self._turns.append(_ThinkingTurn(sample, dialogue.agent_turns,
+                                     split_thinking(text).well_formed))
+    self._count(i, tokens, ended)
+    return text
 
   def samples(self, dialogues, groups, reward):
     out = []
-    for turn in self._turns:
+    # Turn by turn, dialogue by dialogue, in whatever order an engine took the turns.
+    for turn in sorted(self._turns, key=lambda t: (t.turn, t.sample.dialogue)):
       sample, d = turn.sample, dialogues[turn.sample.dialogue]
       if d.reward is None:
         continue  # dropped by the simulator

@@ -1,11 +1,17 @@
 """Batched multi-turn dialogues between the policy and the simulated user.
 
-`collect` runs rounds until every dialogue has ended: the agent (`rl.agent`)
-replies in every live dialogue with one sampler call, the simulator answers
-them all in one batched call, and the end checks run (the simulator's rule
-set, the dialogue's token budget). GRPO groups (n samples of one profile)
-share persona and opening line. The agent's strategy, cached dialogues or
-thinking turns, is picked once per batch by `make_agent`.
+`collect` runs a batch of dialogues to their end: the agent (`rl.agent`)
+takes each live dialogue's turn, the simulator answers it, and the end
+checks run (the simulator's rule set, the dialogue's token budget). GRPO
+groups (n samples of one profile) share persona and opening line. The
+agent's strategy, cached dialogues or thinking turns, is picked once per
+batch by `make_agent`.
+
+`RolloutConfig.engine` picks how turns are batched: "continuous" (default,
+`rl.engine`: each dialogue moves on as soon as its own reply or user turn is
+done) or "lockstep" (here: rounds of one sampler call for every live
+dialogue, then one simulator call for all of them; the benchmark's
+baseline). Both give the same dialogues.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from sim_user.profiles import Profile
 from sim_user.simulator import Dialogue, SimulatedUser
 
 TOKEN_BUDGET = "token_budget"
+ENGINES = ("continuous", "lockstep")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,10 +48,15 @@ class RolloutConfig:
   top_p: float = 1.0
   top_k: int = 0
   reward: str = "final"  # or "turn": each agent turn gets its emotion change / 100
+  # continuous: rl.engine's continuous batching across turns; lockstep: every live
+  # dialogue's turn in one sampler call per round (the benchmark's baseline)
+  engine: str = "continuous"
 
   def __post_init__(self):
     if self.reward not in ("final", "turn"):
       raise ValueError(f"rollout reward {self.reward!r}; expected final or turn")
+    if self.engine not in ENGINES:
+      raise ValueError(f"rollout engine {self.engine!r}; expected one of {', '.join(ENGINES)}")
 
 
 @dataclasses.dataclass
@@ -88,24 +100,48 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   agent = make_agent(config, sampler, formatter,
                      row_ids=[first_profile * n + i for i in range(len(dialogues))])
 
+  turn_key = lambda turn: keys.turn(key, turn)
+  stats_before = copy.copy(sampler.stats)
+  if config.engine == "continuous":
+    from rl import engine  # it builds on this module
+    sim_seconds += engine.run(sampler, agent, user, dialogues, config, turn_key)
+  else:
+    sim_seconds += _run_lockstep(agent, user, dialogues, config, turn_key)
+
+  samples = agent.samples(dialogues, groups, config.reward)
+  metrics = rollout_metrics(samples, dialogues, user.emotion_rules)
+  wall = time.perf_counter() - start_time
+  agent_metrics = agent.metrics()
+  metrics.update({"time/rollout": wall, "time/simulator": sim_seconds, **agent_metrics,
+                  **sampler.stats.since(stats_before).metrics(),
+                  "rollout/sim_wait_s": sim_seconds,
+                  "rollout/tokens_per_s": agent_metrics["tokens/generated"] / max(wall, 1e-9)})
+  return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)
+
+
+def end_if_over_budget(dialogue: Dialogue, agent_tokens: int, config: RolloutConfig) -> None:
+  """The token budget rule, once the dialogue's user turn is in."""
+  if not dialogue.done and agent_tokens >= config.max_dialogue_tokens:
+    dialogue.end_reason = TOKEN_BUDGET
+
+
+def _run_lockstep(agent: Agent, user: SimulatedUser, dialogues: Sequence[Dialogue],
+                  config: RolloutConfig, turn_key) -> float:
+  """Rounds of one agent turn in every live dialogue, then one user turn in every one.
+  Returns the time spent waiting for the simulator."""
+  sim_seconds = 0.0
   live = [i for i, d in enumerate(dialogues) if not d.done]
   turn = 0
   while live:
-    replies = agent.act(dialogues, live, keys.turn(key, turn))
+    replies = agent.act(dialogues, live, turn_key(turn))
     t0 = time.perf_counter()
     user.respond([dialogues[i] for i in live], replies)
     sim_seconds += time.perf_counter() - t0
     for i in live:
-      if not dialogues[i].done and agent.agent_tokens[i] >= config.max_dialogue_tokens:
-        dialogues[i].end_reason = TOKEN_BUDGET
+      end_if_over_budget(dialogues[i], agent.agent_tokens[i], config)
     live = [i for i in live if not dialogues[i].done]
     turn += 1
-
-  samples = agent.samples(dialogues, groups, config.reward)
-  metrics = rollout_metrics(samples, dialogues, user.emotion_rules)
-  metrics.update({"time/rollout": time.perf_counter() - start_time,
-                  "time/simulator": sim_seconds, **agent.metrics()})
-  return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)
+  return sim_seconds
 
 
 def rollout_metrics(samples: Sequence[Sample], dialogues: Sequence[Dialogue],

@@ -60,7 +60,8 @@ def train_rollout_config(config) -> rollout_lib.RolloutConfig:
                                    config.sim_user.language, r.thinking),
       thinking=r.thinking, format_penalty_reward=r.format_penalty_reward,
       max_new_tokens=r.max_new_tokens, max_dialogue_tokens=r.max_dialogue_tokens,
-      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, reward=config.rl.reward)
+      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, reward=config.rl.reward,
+      engine=r.engine)
 
 
 def eval_rollout_config(config) -> rollout_lib.RolloutConfig:
@@ -71,7 +72,7 @@ def eval_rollout_config(config) -> rollout_lib.RolloutConfig:
       system_prompt=_system_prompt(e.system_prompt, "eval.system_prompt",
                                    config.sim_user.language, e.thinking),
       thinking=e.thinking, max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9,
-      temperature=e.temperature, top_p=e.top_p, top_k=e.top_k)
+      temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, engine=e.engine)
 
 
 def simulated_user(config, mesh: Mesh | None) -> SimulatedUser:

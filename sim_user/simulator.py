@@ -18,6 +18,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import threading
 from typing import Callable, Sequence
 
 from sim_user import dynamics, parser
@@ -84,6 +85,11 @@ class SimulatedUser:
     words = "|".join(re.escape(p) for p in goodbye_phrases)
     self._goodbye_re = re.compile(rf"(?<![A-Za-z])(?:{words})(?![A-Za-z])", re.IGNORECASE)
     self.metrics: collections.Counter = collections.Counter()
+    # respond() may run for several dialogues at once (the continuous rollout engine's
+    # thread pool): counts go through one lock, and the backend's own event counts are
+    # taken as differences from what was already copied, so none is counted twice.
+    self._lock = threading.Lock()
+    self._backend_events_seen = collections.Counter(dict(getattr(backend, "stats", {})))
 
   def says_goodbye(self, text: str) -> bool:
     return bool(self._goodbye_re.search(text))
@@ -125,7 +131,7 @@ class SimulatedUser:
       if dynamics.last_reply_unjudged(self.emotion_rules, d.agent_turns):
         # SAGE: the agent's last reply ends the dialogue; no planning or reply call.
         d.end_reason = dynamics.MAX_TURNS
-        self.metrics[f"sim/end/{d.end_reason}"] += 1
+        self._count(f"sim/end/{d.end_reason}")
         continue
       live.append(d)
 
@@ -154,7 +160,7 @@ class SimulatedUser:
       d.end_reason = dynamics.end_reason(self.emotion_rules, d.emotion, d.agent_turns,
                                          self.says_goodbye(reply.response))
       if d.end_reason:
-        self.metrics[f"sim/end/{d.end_reason}"] += 1
+        self._count(f"sim/end/{d.end_reason}")
 
   # Calls, retries and fallbacks.
 
@@ -190,7 +196,7 @@ class SimulatedUser:
       if not pending:
         break
       if attempt:
-        self.metrics["sim/retries"] += len(pending)
+        self._count("sim/retries", len(pending))
       outputs = self._complete([requests[i] for i in pending])
       if len(outputs) != len(pending):
         raise RuntimeError(f"backend returned {len(outputs)} results for {len(pending)} requests")
@@ -198,31 +204,38 @@ class SimulatedUser:
       for i, output in zip(pending, outputs):
         kind = requests[i].kind
         if isinstance(output, BackendError):
-          self.metrics[f"sim/backend_errors/{output.reason}"] += 1
+          self._count(f"sim/backend_errors/{output.reason}")
           results[i] = f"backend {output} in {kind}"
           still_pending.append(i)
           continue
         try:
           results[i] = parse(output)
         except parser.SimulatorParseError as e:
-          self.metrics[f"sim/parse_errors/{kind}"] += 1
+          self._count(f"sim/parse_errors/{kind}")
           results[i] = f"unparsable {kind} output: {e}"
           still_pending.append(i)
           continue
         if attempt:
-          self.metrics["sim/retries_succeeded"] += 1
+          self._count("sim/retries_succeeded")
       pending = still_pending
     return results
 
   def _complete(self, requests: list[SimRequest]) -> list:
     """The backend's outputs; its own events (an HTTP backend's attempts and retries, in its
     `stats`) are added to `metrics` as sim/http/<event>."""
-    stats = getattr(self.backend, "stats", collections.Counter())
-    before = collections.Counter(stats)
     outputs = self.backend.complete(requests)
-    for event, count in (stats - before).items():
-      self.metrics[f"sim/http/{event}"] += count
+    stats = getattr(self.backend, "stats", None)
+    if stats is not None:
+      with self._lock:
+        now = collections.Counter(dict(stats))  # dict(): one atomic copy
+        for event, count in (now - self._backend_events_seen).items():
+          self.metrics[f"sim/http/{event}"] += count
+        self._backend_events_seen = now
     return outputs
+
+  def _count(self, key: str, n: int = 1) -> None:
+    with self._lock:
+      self.metrics[key] += n
 
   def check_health(self) -> None:
     """Raises `SimulatorUnavailable` when the backend's server does not answer a test request.
@@ -239,6 +252,6 @@ class SimulatedUser:
     d.failure = reason
     if self.on_failure == DROP:
       d.dropped = True
-      self.metrics["sim/dropped_dialogues"] += 1
+      self._count("sim/dropped_dialogues")
     else:
-      self.metrics["sim/failed_dialogues"] += 1
+      self._count("sim/failed_dialogues")

@@ -65,9 +65,11 @@ class FaultyServer(http.server.ThreadingHTTPServer):
 
   daemon_threads = True
 
-  def __init__(self, script):
+  def __init__(self, script, latency_s=None):
+    """`latency_s(prompt)`: seconds to wait before answering a prompt (None: at once)."""
     super().__init__(("127.0.0.1", 0), _Handler)
     self.script = script
+    self.latency_s = latency_s
     self.attempts = {}
     self.lock = threading.Lock()
     self.in_flight = 0
@@ -109,6 +111,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       server.max_in_flight = max(server.max_in_flight, server.in_flight)
       server.auth_headers.add(self.headers.get("Authorization"))
     try:
+      if server.latency_s is not None:
+        time.sleep(server.latency_s(prompt))
       self._answer(fault, prompt)
     except (BrokenPipeError, ConnectionResetError):  # the client gave up on this answer
       self.close_connection = True

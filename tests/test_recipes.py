@@ -28,7 +28,7 @@ from configs import grpo, ppo
 from models import qwen2
 from models.chat import ChatFormatter
 from models.errors import UserInputError
-from models.sampler import LENGTH, STOP, Completions
+from models.sampler import LENGTH, STOP, Completions, DecodeStats
 from rl import learner as learner_lib
 from rl import system_prompts, updates
 from rl.batch import TrainBatch
@@ -268,11 +268,13 @@ def test_rlver_prompts_exist_for_each_language_and_mode():
 
 
 class CutOffSampler:
-  """Stands in for the sampler: every reply is `reply_ids`; every third one runs out of budget."""
+  """Stands in for the sampler's batch calls (the lockstep engine's): every reply is
+  `reply_ids`; every third one runs out of budget."""
 
   def __init__(self, reply_ids, stop_id):
     self.reply_ids, self.stop_id = reply_ids, stop_id
     self.turns = self.cut_off = 0
+    self.stats = DecodeStats()
 
   def start(self, num_rows, capacity=0):
     return None
@@ -309,6 +311,7 @@ def test_eval_reports_the_system_prompt_and_the_share_of_cut_off_turns(tmp_path,
   config.sim_user.backend = "scripted"
   config.sim_user.language = "en"
   config.eval.system_prompt = "sage"
+  config.eval.engine = "lockstep"  # the stand-in sampler has no row API
   summary = evaluator.evaluate(config)
   assert summary["agent_turns_generated"] == sampler.turns > 3
   assert summary["agent_turns_cut_off"] == sampler.cut_off

@@ -1,0 +1,210 @@
+"""Rollout engines on one workload: continuous batching across turns against lockstep rounds.
+
+  python -m bench.rollout [--dialogues=32] [--turns=8] [--out=bench_results/rollout.json]
+
+The workload: --dialogues dialogues of up to --turns agent turns (SAGE rules,
+the last reply unjudged), greedy, on a small random Qwen2 with the shipped
+tiny tokenizer. Reply lengths follow the recorded SAGE dialogues (the agent
+replies of deepseek-v3, qwen2.5-72b and claude3.7 in --sage_dir, their
+characters / --chars_per_token, at most --max_new_tokens): each dialogue's
+turn-t reply is cut after its scheduled length (a per-row stop schedule; a
+random model would otherwise run to the budget). User turns come from a
+local OpenAI-compatible server (tests/fake_openai.py) whose every answer
+waits a log-normal latency, median --latency_median_s, 95th percentile
+--latency_p95_s, fixed per prompt, so both engines meet the same delays.
+
+Each engine first runs the workload with no latency (compiling what it
+needs), then timed. Written for each engine: wall_s, slot_efficiency
+(tokens / decoding row-steps), cache_occupancy (tokens held / cache slots
+of the decoding batch), tokens_per_s, decode_s, sim_wait_s; and the
+continuous engine's speedup (lockstep wall / continuous wall). Both engines
+must give the same dialogues, token for token; the run fails otherwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import hashlib
+import json
+import math
+import os
+import random
+import tempfile
+import threading
+
+import jax
+import numpy as np
+from absl import app, flags, logging
+
+from models.sampler import Sampler
+from rl import rollout as rollout_lib
+from rlver_jax import policy as policy_lib
+from rlver_jax import tiny
+from sim_user import dynamics, profiles, templates
+from sim_user.backends.openai_http import OpenAIChatBackend
+from sim_user.simulator import SimulatedUser
+from tests.fake_openai import FaultyServer
+
+_DIALOGUES = flags.DEFINE_integer("dialogues", 32, "dialogues in the batch")
+_TURNS = flags.DEFINE_integer("turns", 8, "agent turns at most per dialogue")
+_SAGE_DIR = flags.DEFINE_string("sage_dir", "../shared/data/sage", "recorded SAGE dialogues")
+_CHARS_PER_TOKEN = flags.DEFINE_float("chars_per_token", 1.5,
+                                      "characters of a recorded (mostly Chinese) reply per token")
+_MAX_NEW_TOKENS = flags.DEFINE_integer("max_new_tokens", 512, "reply budget")
+_LATENCY_MEDIAN = flags.DEFINE_float("latency_median_s", 1.0, "simulator call latency, median")
+_LATENCY_P95 = flags.DEFINE_float("latency_p95_s", 4.0, "simulator call latency, 95th percentile")
+_HIDDEN = flags.DEFINE_integer("hidden", 64, "model width")
+_LAYERS = flags.DEFINE_integer("layers", 2, "model depth")
+_CHUNK = flags.DEFINE_integer("decode_chunk_steps", 32, "continuous engine: steps per chunk")
+_SEED = flags.DEFINE_integer("seed", 0, "schedule and weights")
+_OUT = flags.DEFINE_string("out", "bench_results/rollout.json", "JSON results")
+
+
+def recorded_reply_lengths(sage_dir: str, chars_per_token: float, cap: int) -> list[int]:
+  """Token lengths of every agent reply in the recorded SAGE dialogues."""
+  files = sorted(glob.glob(os.path.join(sage_dir, "*_result.jsonl")))
+  if not files:
+    raise FileNotFoundError(f"no *_result.jsonl in {sage_dir}")
+  lengths = []
+  for path in files:
+    with open(path) as f:
+      for line in f:
+        for message in json.loads(line).get("history") or []:
+          if message["role"] == "assistant":
+            tokens = math.ceil(len(message["content"]) / chars_per_token)
+            lengths.append(min(max(tokens, 1), cap))
+  return lengths
+
+
+class ScheduledSampler(Sampler):
+  """A sampler whose replies end after scheduled lengths: row r's t-th reply after
+  schedule[r][t] tokens. Rows are the bench's dialogues (row id = dialogue index)."""
+
+  def __init__(self, model, schedule, **kwargs):
+    super().__init__(model, **kwargs)
+    self.schedule = schedule
+    self.turns = collections.Counter()  # replies started per row
+    self.target = {}  # row -> length of its reply in progress (continuous engine)
+
+  def reset(self) -> None:
+    self.turns.clear()
+    self.target.clear()
+
+  def _next_length(self, row: int) -> int:
+    length = self.schedule[row][self.turns[row]]
+    self.turns[row] += 1
+    return length
+
+  def extend(self, convs, new_tokens, params, key=None, budgets=None):
+    return super().extend(convs, new_tokens, params, key,
+                          budgets=[self._next_length(r) for r in convs.row_ids])
+
+  def prefill_rows(self, rb, rows, new_tokens, **kwargs):
+    for r in rows:
+      self.target[r] = self._next_length(r)
+    return super().prefill_rows(rb, rows, new_tokens, **kwargs)
+
+  def decode_rows(self, rb, rows, budgets, params, keys, row_ids, offsets, **kwargs):
+    budgets = [min(b, self.target[r] - offset) for r, b, offset in zip(rows, budgets, offsets)]
+    return super().decode_rows(rb, rows, budgets, params, keys, row_ids, offsets, **kwargs)
+
+
+class LatencyServer(FaultyServer):
+  """The fake server with a listen backlog for every dialogue's call at once."""
+
+  request_queue_size = 256
+
+
+def lognormal_latency(median_s: float, p95_s: float):
+  """Seconds per prompt, log-normal, fixed by the prompt's hash."""
+  sigma = math.log(p95_s / median_s) / 1.6449
+  state = {"scale": 1.0}
+
+  def latency(prompt: str) -> float:
+    seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little")
+    return state["scale"] * median_s * math.exp(sigma * random.Random(seed).gauss(0.0, 1.0))
+
+  return latency, state
+
+
+def bench_profiles(n: int) -> list[profiles.Profile]:
+  """n profiles cycled from the demo set; VARY makes the fake server's emotion changes vary."""
+  demo = profiles.load_profiles(profiles.DEMO_PROFILES)
+  return [profiles.Profile(**{**demo[k % len(demo)].__dict__, "id": f"{demo[k % len(demo)].id}-{k}",
+                              "player": demo[k % len(demo)].player + " VARY"})
+          for k in range(n)]
+
+
+def run_engine(engine: str, sampler: ScheduledSampler, formatter, server_url: str,
+               latency_state: dict, profile_list, config) -> rollout_lib.Rollout:
+  rules = dynamics.with_max_agent_turns(dynamics.SAGE_BENCHMARK, _TURNS.value)
+  prompts = templates.PromptSet.load(language="en", variant="vanilla")
+  config = dataclasses.replace(config, engine=engine)
+  results = []
+  for scale in (0.0, 1.0):  # compile, then time
+    latency_state["scale"] = scale
+    backend = OpenAIChatBackend(server_url, "fake", api_key_env="BENCH_NO_KEY",
+                                max_concurrency=len(profile_list), timeout_s=120.0)
+    user = SimulatedUser(backend, rules, prompts)
+    sampler.reset()
+    results.append(rollout_lib.collect(sampler, formatter, user, profile_list, config,
+                                       jax.random.key(0)))
+    logging.info("%s (latency x%g): %s", engine, scale, {
+        k: round(v, 3) for k, v in results[-1].metrics.items() if k.startswith(("rollout/", "time/"))})
+  return results[-1]
+
+
+def main(argv):
+  del argv
+  lengths = recorded_reply_lengths(_SAGE_DIR.value, _CHARS_PER_TOKEN.value, _MAX_NEW_TOKENS.value)
+  rng = np.random.default_rng(_SEED.value)
+  schedule = rng.choice(lengths, size=(_DIALOGUES.value, _TURNS.value + 1)).tolist()
+  with tempfile.TemporaryDirectory() as checkpoint:
+    tiny.write_checkpoint(checkpoint, seed=_SEED.value, hidden_size=_HIDDEN.value,
+                          num_layers=_LAYERS.value, intermediate_size=2 * _HIDDEN.value)
+    policy = policy_lib.load_policy(checkpoint)
+  sampler = ScheduledSampler(policy.model, schedule, stop_token_ids=policy.sampler.stop_token_ids,
+                             pad_id=policy.sampler.pad_id, decode_chunk_steps=_CHUNK.value)
+  latency, latency_state = lognormal_latency(_LATENCY_MEDIAN.value, _LATENCY_P95.value)
+  server = LatencyServer([], latency_s=latency)
+  threading.Thread(target=server.serve_forever, daemon=True).start()
+  config = rollout_lib.RolloutConfig(max_new_tokens=_MAX_NEW_TOKENS.value, temperature=0.0,
+                                     max_dialogue_tokens=10 ** 9)
+  profile_list = bench_profiles(_DIALOGUES.value)
+  try:
+    rollouts = {engine: run_engine(engine, sampler, policy.formatter, server.url, latency_state,
+                                   profile_list, config)
+                for engine in ("lockstep", "continuous")}
+  finally:
+    server.stopping.set()
+    server.shutdown()
+  lockstep, continuous = rollouts["lockstep"], rollouts["continuous"]
+  same = [s.tokens for s in lockstep.samples] == [s.tokens for s in continuous.samples]
+  if not same:
+    raise AssertionError("the engines gave different dialogues")
+  results = {"workload": {
+      "dialogues": _DIALOGUES.value, "max_turns": _TURNS.value,
+      "turns_mean": lockstep.metrics["turns/mean"],
+      "tokens_generated": lockstep.metrics["tokens/generated"],
+      "reply_tokens_median": float(np.median(lengths)), "reply_tokens_mean": float(np.mean(lengths)),
+      "latency_median_s": _LATENCY_MEDIAN.value, "latency_p95_s": _LATENCY_P95.value,
+      "model": {"hidden": _HIDDEN.value, "layers": _LAYERS.value},
+      "decode_chunk_steps": _CHUNK.value, "same_dialogues": same}}
+  for engine, rollout in rollouts.items():
+    m = rollout.metrics
+    results[engine] = {"wall_s": m["time/rollout"], "slot_efficiency": m["rollout/slot_efficiency"],
+                       "cache_occupancy": m["rollout/cache_occupancy"],
+                       "tokens_per_s": m["rollout/tokens_per_s"], "decode_s": m["rollout/decode_s"],
+                       "sim_wait_s": m["rollout/sim_wait_s"]}
+  results["continuous"]["speedup"] = lockstep.metrics["time/rollout"] / continuous.metrics[
+      "time/rollout"]
+  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
+  with open(_OUT.value, "w") as f:
+    json.dump(results, f, indent=2)
+  print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,148 @@
+"""Continuous batching across turns: the rollout engine that keeps the decoding batch full.
+
+Every dialogue owns one row of a per-row-length KV cache (`Sampler.start_rows`)
+and moves through: ready (its next tokens are known) -> decoding (prefilled,
+its reply in progress) -> with the simulator -> ready again, or done. The host
+loop, between jitted decode chunks:
+
+  1. takes the user turns the simulator has answered (their dialogues are ready);
+  2. prefills every ready dialogue's new tokens into its row, at its own offset;
+  3. decodes one chunk for the dialogues decoding, longest-waiting first: the
+     largest compiled row count that they fill (none is padding; the few left
+     over go first next chunk), ending the chunk as soon as one reply is done;
+  4. hands each finished reply to the simulator without waiting for it.
+
+A dialogue with the simulator keeps its cache and costs no decode work. With
+a server-backed simulator (one with `max_concurrency`: the HTTP backend) user
+turns run in a bounded thread pool while decoding goes on; an in-process one
+(scripted, Flax) answers the finished replies between chunks. Only when no
+dialogue can decode does the host wait, for the first user turn to come back.
+
+The agent (`rl.agent`) says what each dialogue's row needs and keeps each
+finished turn, one dialogue at a time. Dialogue i draws its turn-t reply
+with the same key (the turn's, folded with its row id) as the lockstep
+engine, so greedy dialogues are the same token for token, and sampled ones
+the same in distribution (and in tokens, on equal arithmetic).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+from typing import Callable, Sequence
+
+import jax
+
+from models.sampler import Sampler, row_bucket_sizes
+from rl.agent import Agent
+from rl.rollout import RolloutConfig, end_if_over_budget
+from sim_user.simulator import Dialogue, SimulatedUser
+
+
+def run(sampler: Sampler, agent: Agent, user: SimulatedUser, dialogues: Sequence[Dialogue],
+        config: RolloutConfig, turn_key: Callable[[int], jax.Array]) -> float:
+  """Drives every dialogue to its end; returns the time spent waiting only for the simulator."""
+  pool_size = getattr(user.backend, "max_concurrency", 0)
+  pool = concurrent.futures.ThreadPoolExecutor(pool_size) if pool_size else None
+  try:
+    engine = _Engine(sampler, agent, user, dialogues, config, turn_key, pool)
+    engine.run()
+    return engine.sim_seconds
+  finally:
+    if pool is not None:
+      pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _Engine:
+
+  def __init__(self, sampler, agent, user, dialogues, config, turn_key, pool):
+    self.sampler, self.agent, self.user, self.pool = sampler, agent, user, pool
+    self.dialogues, self.config, self.turn_key = dialogues, config, turn_key
+    self.rows = sampler.start_rows(len(dialogues))
+    self.turns = [0] * len(dialogues)  # agent turns taken per dialogue
+    self.ready = collections.deque(i for i, d in enumerate(dialogues) if not d.done)
+    self.decoding = collections.deque()  # prefilled, reply in progress; longest-waiting first
+    self.replies = {}  # dialogue -> (tokens fed, tokens drawn, logprobs) of the turn in progress
+    self.with_user = {}  # future -> dialogue, with a server-backed simulator
+    self.answered = []  # (dialogue, reply text) for an in-process simulator, between chunks
+    self.sim_seconds = 0.0
+
+  def run(self) -> None:
+    while self.ready or self.decoding or self.with_user or self.answered:
+      self._take_user_turns(block=not (self.ready or self.decoding or self.answered))
+      if self.ready:
+        self._prefill()
+      if self.decoding:
+        self._decode_chunk()
+      self._answer_in_process()
+
+  # Simulator.
+
+  def _to_user(self, i: int, text: str) -> None:
+    if self.pool is None:
+      self.answered.append((i, text))
+    else:
+      self.with_user[self.pool.submit(self.user.respond, [self.dialogues[i]], [text])] = i
+
+  def _answer_in_process(self) -> None:
+    if not self.answered:
+      return
+    t0 = time.perf_counter()
+    self.user.respond([self.dialogues[i] for i, _ in self.answered],
+                      [text for _, text in self.answered])
+    self.sim_seconds += time.perf_counter() - t0
+    for i, _ in self.answered:
+      self._user_turn_done(i)
+    self.answered = []
+
+  def _take_user_turns(self, block: bool) -> None:
+    if not self.with_user:
+      return
+    t0 = time.perf_counter()
+    done, _ = concurrent.futures.wait(list(self.with_user), timeout=None if block else 0,
+                                      return_when=concurrent.futures.FIRST_COMPLETED)
+    if block:
+      self.sim_seconds += time.perf_counter() - t0
+    for future in done:
+      future.result()  # respond never raises for a failed call; anything else is a bug
+      self._user_turn_done(self.with_user.pop(future))
+
+  def _user_turn_done(self, i: int) -> None:
+    end_if_over_budget(self.dialogues[i], self.agent.agent_tokens[i], self.config)
+    if not self.dialogues[i].done:
+      self.ready.append(i)
+
+  # Device.
+
+  def _prefill(self) -> None:
+    rows = list(self.ready)
+    self.ready.clear()
+    feeds = [self.agent.next_tokens(self.dialogues[i], i) for i in rows]
+    self.sampler.prefill_rows(self.rows, rows, feeds, restart=self.agent.restarts_rows)
+    for i, feed in zip(rows, feeds):
+      self.replies[i] = (feed, [], [])
+      self.decoding.append(i)
+
+  def _decode_chunk(self) -> None:
+    sampler, agent = self.sampler, self.agent
+    # The largest compiled width the decoding dialogues fill: no padding row.
+    sizes = [s for s in row_bucket_sizes(len(self.decoding), sampler.data_parallel_size())
+             if s <= len(self.decoding)]
+    chosen = [self.decoding.popleft() for _ in range(sizes[-1] if sizes else len(self.decoding))]
+    drawn = [len(self.replies[i][1]) for i in chosen]
+    greedy = agent.sampling.temperature == 0
+    chunk = sampler.decode_rows(
+        self.rows, chosen, [agent.sampling.max_new_tokens - n for n in drawn], agent.sampling,
+        keys=None if greedy else [self.turn_key(self.turns[i]) for i in chosen],
+        row_ids=[agent.row_ids[i] for i in chosen], offsets=drawn, stop_after_finished=1)
+    for i, tokens, logprobs, finished, stopped in zip(chosen, chunk.tokens, chunk.logprobs,
+                                                     chunk.finished, chunk.stopped):
+      self.replies[i][1].extend(tokens)
+      self.replies[i][2].extend(logprobs)
+      if not finished:
+        self.decoding.append(i)
+        continue
+      fed, reply, reply_logprobs = self.replies.pop(i)
+      self.turns[i] += 1
+      self._to_user(i, agent.record(self.dialogues[i], i, fed, reply, reply_logprobs, stopped))

@@ -1,0 +1,239 @@
+"""The row-level sampler against the batch sampler; the continuous rollout engine against
+the lockstep one."""
+
+import dataclasses
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from models import qwen2
+from models.sampler import Sampler, SamplingParams, row_bucket_sizes
+from rl import rollout as rollout_lib
+from rlver_jax import policy as policy_lib
+from rlver_jax import sharding
+from rlver_jax import tiny
+from sim_user import dynamics, profiles, templates
+from sim_user.backends.base import BackendError
+from sim_user.backends.scripted import ScriptedBackend
+from sim_user.simulator import SimulatedUser
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
+CONFIG = qwen2.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2,
+                           num_heads=4, num_kv_heads=2)
+STOP = 9  # row 2 hits it on its 4th token, the others run to their budget
+
+
+@pytest.fixture(scope="module")
+def model():
+  return qwen2.init_random(CONFIG, seed=0)
+
+
+@pytest.fixture(scope="module")
+def reference(model):
+  return Sampler(model, stop_token_ids=[STOP])
+
+
+@pytest.fixture(scope="module")
+def row_sampler(model):
+  """Chunks of 3 steps and a 16-slot cache to start with: several chunks per reply, growth."""
+  return Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=3)
+
+
+def decode_all(sampler, rb, rows, params, width, key=None, row_ids=None):
+  """Decodes `rows` to the end, `width` rows per chunk in rotation; returns tokens, logprobs."""
+  row_id = dict(zip(rows, row_ids or rows))
+  tokens, logprobs = {r: [] for r in rows}, {r: [] for r in rows}
+  live = list(rows)
+  while live:
+    chosen = live[:width]
+    chunk = sampler.decode_rows(rb, chosen, [params.max_new_tokens - len(tokens[r]) for r in chosen],
+                                params, keys=None if key is None else [key] * len(chosen),
+                                row_ids=[row_id[r] for r in chosen],
+                                offsets=[len(tokens[r]) for r in chosen])
+    for r, new, lp, finished in zip(chosen, chunk.tokens, chunk.logprobs, chunk.finished):
+      tokens[r] += new
+      logprobs[r] += lp
+      live.remove(r)
+      if not finished:
+        live.append(r)  # to the back: the next chunk decodes other rows first
+  return [tokens[r] for r in rows], [logprobs[r] for r in rows]
+
+
+def test_rows_decoded_in_chunks_equal_the_batch_sampler(reference, row_sampler):
+  expected = reference.generate(PROMPTS, GREEDY)
+  assert [len(t) for t in expected.tokens] == [10, 10, 4, 10]
+  sampler = row_sampler
+  rb = sampler.start_rows(len(PROMPTS))
+  sampler.prefill_rows(rb, [2, 0], [PROMPTS[2], PROMPTS[0]])
+  sampler.prefill_rows(rb, [1, 3], [PROMPTS[1], PROMPTS[3]])
+  tokens, logprobs = decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=3)
+  assert tokens == expected.tokens
+  np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(expected.logprobs),
+                             atol=1e-5)
+  # Each row holds exactly its own tokens: the last one fed, the prompt and reply.
+  assert rb.lengths[:4].tolist() == [len(p) + len(t) for p, t in zip(PROMPTS, tokens)]
+
+
+def test_rows_continue_restart_and_match_a_full_forward_pass(model, reference, row_sampler):
+  sampler = row_sampler
+  rb = sampler.start_rows(len(PROMPTS))
+  sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  turn1, _ = decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=3)
+  user = {3: [60, 61, 62], 1: [63]}
+  # Rows 3 and 1 get a user turn at their own offsets (outgrowing the 16-slot cache); row 0
+  # starts over with a new prompt, as a thinking-mode turn does; row 2 waits.
+  sampler.prefill_rows(rb, [3, 1], [user[3], user[1]])
+  sampler.prefill_rows(rb, [0], [[70, 71, 72]], restart=True)
+  turn2, logprobs2 = decode_all(sampler, rb, [3, 1, 0], GREEDY, width=2)
+  assert rb.capacity >= 32
+  histories = [PROMPTS[3] + turn1[3] + user[3], PROMPTS[1] + turn1[1] + user[1], [70, 71, 72]]
+  assert turn2 == reference.generate(histories, GREEDY).tokens
+  # The sampler's log-probs are those of one forward pass over the whole sequences.
+  sequences = [h + r for h, r in zip(histories, turn2)]
+  width = max(len(q) for q in sequences)
+  ids_bt = np.array([q + [0] * (width - len(q)) for q in sequences], np.int32)
+  mask_bt = np.arange(width)[None] < np.array([len(q) for q in sequences])[:, None]
+  logp_btv = jax.nn.log_softmax(jax.jit(lambda i, m: model(i, attention_mask=m))(ids_bt, mask_bt))
+  for b, (history, reply, logprobs) in enumerate(zip(histories, turn2, logprobs2)):
+    steps = np.arange(len(history) - 1, len(history) + len(reply) - 1)
+    np.testing.assert_allclose(logprobs, logp_btv[b, steps, reply], atol=1e-4)
+
+
+def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
+  params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20)
+  key = jax.random.key(7)
+  expected = reference.generate(PROMPTS, params, key, row_ids=[4, 5, 6, 7])
+  rb = row_sampler.start_rows(len(PROMPTS))
+  row_sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  tokens, _ = decode_all(row_sampler, rb, [0, 1, 2, 3], params, width=3, key=key,
+                         row_ids=[4, 5, 6, 7])
+  assert tokens == expected.tokens
+
+
+def test_bf16_sampling_weights_refresh_without_recompiling(model):
+  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  sampler = Sampler(model, stop_token_ids=[STOP], sampling_dtype=jnp.bfloat16, mesh=mesh)
+  weights = jax.tree.leaves(sampler.state)
+  assert all(x.dtype == jnp.bfloat16 for x in weights)
+  # The decode layout: split over tensor, never over fsdp (no all-gather per token).
+  assert any("tensor" in x.sharding.spec for x in weights)
+  assert not any("fsdp" in str(x.sharding.spec) for x in weights)
+  graphdef, state = nnx.split(model)
+  cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), state)
+  expected = Sampler(nnx.merge(graphdef, cast), stop_token_ids=[STOP]).generate(PROMPTS, GREEDY)
+  assert sampler.generate(PROMPTS, GREEDY).tokens == expected.tokens
+  other = qwen2.init_random(CONFIG, seed=1)
+  sampler.update_weights(other)
+  compiled = sampler._decode._cache_size()
+  refreshed = sampler.generate(PROMPTS, GREEDY).tokens
+  assert sampler._decode._cache_size() == compiled
+  assert refreshed != expected.tokens
+
+
+def test_row_buckets_pad_little():
+  sizes = row_bucket_sizes(100)
+  assert sizes[:8] == list(range(1, 9)) and sizes[-1] >= 100
+  assert all(b <= 1.5 * a for a, b in zip(sizes[7:], sizes[8:]))
+  assert row_bucket_sizes(30, multiple=4) == [4, 8, 12, 16, 24, 32]
+
+
+# The continuous engine against the lockstep one, on a tiny chat model and the scripted user.
+
+@pytest.fixture(scope="module")
+def chat_policy(tmp_path_factory):
+  path = str(tmp_path_factory.mktemp("engine_policy"))
+  tiny.write_checkpoint(path, seed=3)
+  policy = policy_lib.load_policy(path)
+  # Larger random weights than the checkpoint's, so greedy replies do not repeat one token;
+  # 40 of the 1024 tokens also end a reply, so replies end at different lengths, by stop
+  # token or by budget, and dialogues at different turns.
+  config = dataclasses.replace(policy.model.config, initializer_range=0.3)
+  stops = list(policy.sampler.stop_token_ids) + list(range(100, 140))
+  sampler = Sampler(qwen2.init_random(config, seed=3), stop_token_ids=stops,
+                    pad_id=policy.sampler.pad_id, decode_chunk_steps=4)
+  return sampler, policy.formatter, profiles.load_profiles(profiles.DEMO_PROFILES)[:3]
+
+
+def make_user(backend=None):
+  return SimulatedUser(backend or ScriptedBackend(), dynamics.RLVER_TRAIN,
+                       templates.PromptSet.load(language="en", variant="vanilla"))
+
+
+def both_engines(chat_policy, user_factory=make_user, **config):
+  sampler, formatter, demo = chat_policy
+  config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=0.0, **config)
+  return [rollout_lib.collect(sampler, formatter, user_factory(), demo, dataclasses.replace(
+      config, engine=engine), jax.random.key(1)) for engine in ("lockstep", "continuous")]
+
+
+def assert_same_rollouts(lockstep, continuous):
+  assert [d.history for d in continuous.dialogues] == [d.history for d in lockstep.dialogues]
+  assert [d.end_reason for d in continuous.dialogues] == [d.end_reason for d in lockstep.dialogues]
+  for a, b in zip(lockstep.samples, continuous.samples, strict=True):
+    assert (b.tokens, b.loss_mask, b.group, b.dialogue, b.reward, b.token_rewards) == (
+        a.tokens, a.loss_mask, a.group, a.dialogue, a.reward, a.token_rewards)
+    np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
+
+
+def test_continuous_dialogues_equal_lockstep_turn_for_turn(chat_policy):
+  # GRPO groups of 2, per-turn rewards, a token budget that ends dialogues at different turns.
+  lockstep, continuous = both_engines(chat_policy, samples_per_profile=2, reward="turn",
+                                      max_dialogue_tokens=20)
+  assert_same_rollouts(lockstep, continuous)
+  assert len({d.agent_turns for d in lockstep.dialogues}) > 1, [
+      (sum(s.loss_mask), s.token_rewards) for s in lockstep.samples]
+  assert 0 < lockstep.metrics["agent_turns/cut_off"] < lockstep.metrics["agent_turns/generated"]
+  assert continuous.metrics["rollout/slot_efficiency"] == 1.0  # no padding row, no tail
+  assert lockstep.metrics["rollout/slot_efficiency"] < 1.0
+
+
+def test_continuous_thinking_turns_equal_lockstep(chat_policy):
+  lockstep, continuous = both_engines(chat_policy, thinking=True, max_dialogue_tokens=16)
+  assert_same_rollouts(lockstep, continuous)
+  assert len(lockstep.samples) == lockstep.metrics["agent_turns/generated"] > len(
+      lockstep.dialogues)  # every turn a sample, and some dialogue took more than one
+
+
+class SlowForOne(ScriptedBackend):
+  """A server-like backend (it has max_concurrency): one profile's calls fail, and with
+  `hold_for` set they first hang until the other dialogues made that many calls."""
+
+  max_concurrency = 4
+
+  def __init__(self, slow_profile):
+    self.slow_profile, self.hold_for = slow_profile, None
+    self.calls, self.others_went_on = 0, None
+    self.progress = threading.Condition()
+
+  def complete(self, requests):
+    if any(r.profile.id == self.slow_profile for r in requests):
+      if self.hold_for is not None:
+        with self.progress:
+          self.others_went_on = self.progress.wait_for(lambda: self.calls >= self.hold_for,
+                                                       timeout=120)
+      return [BackendError("timeout") for _ in requests]
+    out = super().complete(requests)
+    with self.progress:
+      self.calls += len(requests)
+      self.progress.notify_all()
+    return out
+
+
+def test_a_slow_failing_simulator_call_does_not_hold_up_other_dialogues(chat_policy):
+  sampler, formatter, demo = chat_policy
+  config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=0.0, max_dialogue_tokens=30)
+  backend = SlowForOne(demo[0].id)
+  first = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, jax.random.key(1))
+  # Again, the failing call now hanging until the others made every call they made before.
+  backend.hold_for, backend.calls = backend.calls, 0
+  rollout = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, jax.random.key(1))
+  assert backend.others_went_on  # the other dialogues ran to their end meanwhile
+  slow, *others = rollout.dialogues
+  assert slow.end_reason == "simulator_error" and slow.agent_turns == 1
+  assert all(d.agent_turns > 1 and d.end_reason != "simulator_error" for d in others)
+  assert [d.history for d in rollout.dialogues] == [d.history for d in first.dialogues]
