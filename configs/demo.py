@@ -31,7 +31,10 @@ def get_config(arg: str = ""):
   c.sim_user.language = "en"
   c.sim_user.rules = "rlver_train"
 
-  c.rollout.max_new_tokens = 24
+  # Short replies: a fitting one needs only a key word and one more word (sim_user/backends/
+  # scripted.py), and the fewer tokens a reply has, the smaller the space the policy searches.
+  c.rollout.max_new_tokens = 8
+  c.rollout.reward = "turn"  # each reply is credited with its own emotion change
   c.rollout.max_dialogue_tokens = 400
   if not c.rollout.thinking:  # the demo's own prompt; :think keeps the "rlver" preset
     c.rollout.system_prompt = "You are a caring listener."
@@ -40,6 +43,7 @@ def get_config(arg: str = ""):
   c.optim.critic_lr = 3e-3
   c.optim.warmup_steps = 2
   c.rl.entropy_coef = 0.0
+  c.rl.lam = 0.95  # with per-turn rewards: a reply's advantage weighs its own turn most
 
   c.log_dialogues_every = 10
   c.checkpoint.every = 10

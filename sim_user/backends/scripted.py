@@ -1,43 +1,71 @@
 """A deterministic, rule-based simulated user: no LLM, same text format as one.
 
-The hidden intention decides which kinds of reply move the emotion: each
-intention has phrases that fit it (+5 each, at most +10) and phrases that
-miss it (-5 each, at most -10). A reply with neither is off topic: the
-vanilla user warms to general encouragement (+5) and is unmoved otherwise
-(0), and hints at its need after a miss; the challenging user loses 5 on
-any off-topic reply and never hints. The
-output is SAGE-formatted planning and reply text, so the real parser runs on
-it. The same request always gives the same text.
+The hidden intention decides which kinds of reply move the emotion. Each
+intention has fitting phrases, among them two key words that are whole-word
+tokens of the shipped tiny tokenizer (`KEY_WORDS`), and missing phrases;
+another intention's key words miss too. A judged reply changes the emotion by:
+
+  not natural language (`is_natural_language`)            -10
+  +10 per distinct fitting phrase, -10 per missing one      clipped to [-20, +20]
+  neither fits nor misses (off topic):
+    vanilla: +5 for general encouragement the first time it is offered, else 0
+    challenging: -5
+
+So "sorry sorry sorry" does not pay (it is not natural language), plain
+encouragement is worth +5 once, and from the training rules' start of 30 the
+top of the scale is reached only by fitting replies turn after turn (at least
+four). The vanilla user, like the paper's vanilla simulator, says what it
+needs: each of its replies carries a hint with its key words (`HINTS`; the
+demo profiles' openings end with the same hint); the challenging user never
+hints. The output is SAGE-formatted planning and reply text, so the real
+parser runs on it. The same request always gives the same text.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
+import os
+import re
 from typing import Sequence
 
 from sim_user import dynamics
 from sim_user.backends.base import OPENING, PLANNING, SimRequest
 
-# intention -> (fit phrases, miss phrases), English and Chinese.
+# intention -> the key words the user listens for and names in its hints. Each is a whole-word
+# token of rlver_jax/assets/tiny_tokenizer, so one sampled token can serve the intention, and no
+# word serves two intentions: another intention's key word misses.
+KEY_WORDS: dict[str, tuple[str, ...]] = {
+    "analyse_dialectically": ("both", "sides", "look", "several", "analyse", "event"),
+    "get_advice": ("step", "try", "write", "first", "useful", "idea"),
+    "understand_others": ("why", "scared", "reacted", "acted", "worries", "mind"),
+    "reflect_and_grow": ("teach", "grow", "next", "become", "better", "change"),
+    "be_praised": ("praise", "praised", "handled", "well", "noticed", "kept"),
+    "be_listened_to": ("listen", "listening", "hear", "heard", "vent", "talk"),
+    "deep_empathy": ("pain", "hard", "feelings", "felt", "deep", "tired"),
+    "not_my_fault": ("fault", "unfair", "nobody", "never", "everything"),
+}
+# intention -> (fit phrases, miss phrases), English and Chinese; its key words fit too.
 LEXICON: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "analyse_dialectically": (
         ("both sides", "on the other hand", "from his side", "from her side", "perspective",
          "look at this", "两方面", "另一方面", "辩证", "角度"),
         ("you are right", "they are wrong", "你没错", "都是他的错")),
     "get_advice": (
-        ("step", "plan", "try", "tomorrow", "write down", "first", "practical", "步骤", "计划",
+        ("steps", "plan", "tomorrow", "write down", "practical", "步骤", "计划",
          "可以试试", "建议你"),
         ("don't worry", "it will be fine", "别担心", "会好的")),
     "understand_others": (
-        ("why", "maybe she", "maybe he", "perhaps", "scared", "reason", "might have", "原因",
+        ("maybe she", "maybe he", "perhaps", "reason", "might have", "原因",
          "也许他", "也许她", "可能是因为"),
         ("forget her", "forget him", "move on", "忘了", "别管")),
     "reflect_and_grow": (
-        ("what did", "teach", "next time", "reflect", "yourself", "what would you", "learn",
+        ("what did", "next time", "reflect", "yourself", "what would you", "learn",
          "反思", "成长", "下次"),
         ("they were wrong", "not your fault", "他们不对")),
     "be_praised": (
-        ("admire", "well done", "brave", "proud", "you did", "courage", "handled", "了不起",
+        ("admire", "well done", "brave", "proud", "you did", "courage", "了不起",
          "做得很好", "佩服"),
         ("should have", "but you", "应该")),
     "be_listened_to": (
@@ -49,23 +77,30 @@ LEXICON: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
          "carrying", "心疼", "理解你的感受", "很难受"),
         ("cheer up", "stay positive", "time heals", "move on", "开心点", "想开点")),
     "not_my_fault": (
-        ("not your fault", "nobody could", "you did everything", "not to blame", "unfair",
-         "不是你的错", "你已经尽力"),
+        ("not your fault", "you did everything", "not to blame", "不是你的错", "你已经尽力"),
         ("should have", "more careful", "your fault", "你应该", "小心")),
 }
 ENCOURAGEMENT = ("sorry", "understand", "support", "not alone", "it's okay", "you can",
                  "理解", "支持", "加油", "陪着你")
 
-_HINTS = {
+# What the vanilla user says it needs, in every reply: the intention's key words in a sentence.
+HINTS = {
     "en": {
-        "analyse_dialectically": "I want to see the whole picture, not just my side.",
-        "get_advice": "I need something I can actually do.",
-        "understand_others": "I just don't get why they did it.",
-        "reflect_and_grow": "I wonder what I should take from this.",
-        "be_praised": "I actually handled some of it pretty well, you know.",
-        "be_listened_to": "I don't need advice right now, I need to let it out.",
-        "deep_empathy": "It's deeper than that. It really hurts.",
-        "not_my_fault": "Everyone acts like it was on me.",
+        "analyse_dialectically": "Let us look at both sides of the event. I want to analyse it "
+                                 "from several sides.",
+        "get_advice": "Any useful idea? What first step should I try? I can write it down.",
+        "understand_others": "Why they acted and reacted that way, I do not know. Were they "
+                             "scared? What worries were on their mind?",
+        "reflect_and_grow": "What can this teach me? How do I grow, change and become better "
+                            "next time?",
+        "be_praised": "I handled it well and kept calm, but no one noticed. Some praise would be "
+                      "nice; I am rarely praised.",
+        "be_listened_to": "I just need to vent and talk. Please listen and hear me out, I have "
+                          "not been heard. Are you listening?",
+        "deep_empathy": "It is so hard, the pain is deep. I felt it all and I am tired; my "
+                        "feelings are real.",
+        "not_my_fault": "Was it my fault? They blame me and it feels unfair. I did everything, "
+                        "nobody could have known, I never meant it.",
     },
     "zh": {
         "analyse_dialectically": "我想看清整件事，不只是我这边。",
@@ -96,36 +131,89 @@ _LINES = {
     },
 }
 
+# English words the user knows: those of the tiny tokenizer's corpus, the demo profiles and
+# its own lines (sim_user/data/words_en.txt).
+WORDS_EN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "words_en.txt")
+with open(WORDS_EN) as _f:
+  KNOWN_WORDS = frozenset(_f.read().split())
+
+_WORD_RE = re.compile(r"[a-z]+(?:'[a-z]+)?")
+_CJK_RE = re.compile(r"[\u4e00-\u9fff]")
+
+
+def _words(text: str) -> list[str]:
+  return _WORD_RE.findall(text.lower())
+
+
+def is_natural_language(reply: str) -> bool:
+  """Whether the user can read `reply` as a sentence.
+
+  English: at least two distinct words, no word more than half of all words
+  ("sorry sorry understand" fails), and at least half of the words known
+  (`KNOWN_WORDS`; garbled subwords such as "ingthe" are not). Chinese: at
+  least two distinct characters.
+  """
+  cjk = _CJK_RE.findall(reply)
+  if cjk:
+    return len(set(cjk)) >= 2
+  words = _words(reply)
+  if len(set(words)) < 2:
+    return False
+  most_common = collections.Counter(words).most_common(1)[0][1]
+  known = sum(w in KNOWN_WORDS for w in words)
+  return 2 * most_common <= len(words) and 2 * known >= len(words)
+
+
+def _hits(text: str, phrases: Sequence[str]) -> list[str]:
+  """The phrases that occur in `text` as whole words."""
+  lowered = text.lower()
+  return [p for p in dict.fromkeys(phrases)
+          if re.search(rf"(?<![a-z']){re.escape(p)}(?![a-z'])", lowered)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  change: int
+  fits: list[str]
+  misses: list[str]
+  natural: bool
+
+
+def judge(reply: str, intention: str | None, variant: str,
+          encouraged_before: bool = False) -> Verdict:
+  """The emotion change for a reply, with the fitting and missing phrases it used.
+
+  `encouraged_before`: an earlier reply of the dialogue offered general
+  encouragement (the vanilla user warms to it only once).
+  """
+  fit, miss = LEXICON.get(intention, ((), ()))
+  own_keys = KEY_WORDS.get(intention, ())
+  other_keys = tuple(w for key, words in KEY_WORDS.items() if key != intention for w in words)
+  fits = _hits(reply, own_keys + fit)
+  rest = reply.lower()
+  for phrase in fits:  # "your fault" inside "not your fault" is no miss
+    rest = rest.replace(phrase, " ")
+  misses = _hits(rest, miss + other_keys)
+  if not is_natural_language(reply):
+    return Verdict(-10, fits, misses, natural=False)
+  if fits or misses:
+    change = 10 * min(len(fits), 2) - 10 * min(len(misses), 2)
+  elif variant == "vanilla":  # off topic: the vanilla user warms to encouragement, once
+    change = 5 if _hits(reply, ENCOURAGEMENT) and not encouraged_before else 0
+  else:  # the challenging user is let down by anything that misses its goal
+    change = -5
+  return Verdict(change, fits, misses, natural=True)
+
+
+def _encouraged_before(history: Sequence[dict]) -> bool:
+  """Whether an agent reply before the last message offered general encouragement."""
+  return any(m["role"] == "assistant" and _hits(m["content"], ENCOURAGEMENT)
+             for m in history[:-1])
+
 
 def _pick(options: Sequence[str], *keys) -> str:
   digest = hashlib.sha256("|".join(map(str, keys)).encode()).digest()
   return options[digest[0] % len(options)]
-
-
-def _hits(text: str, phrases: Sequence[str]) -> list[str]:
-  lowered = text.lower()
-  return [p for p in phrases if p in lowered]
-
-
-def judge(reply: str, intention: str | None, variant: str) -> tuple[int, list[str], list[str]]:
-  """Emotion change for a reply, with the fitting and missing phrases it used."""
-  fit, miss = LEXICON.get(intention, ((), ()))
-  fits = _hits(reply, fit)
-  rest = reply.lower()
-  for phrase in fits:  # "your fault" inside "not your fault" is no miss
-    rest = rest.replace(phrase, " ")
-  misses = _hits(rest, miss)
-  if not reply.strip():
-    return -10, fits, misses
-  change = 5 * min(len(fits), 2) - 5 * min(len(misses), 2)
-  if not fits and not misses:
-    # Off topic: the vanilla user warms to encouragement and shrugs off the rest;
-    # the challenging one is let down by anything that misses its goal.
-    if variant == "vanilla":
-      change = 5 if _hits(reply, ENCOURAGEMENT) else 0
-    else:
-      change = -5
-  return max(-10, min(10, change)), fits, misses
 
 
 class ScriptedBackend:
@@ -139,18 +227,20 @@ class ScriptedBackend:
     if r.kind == OPENING:
       return f"Response: {_pick(_LINES[language]['B'], r.profile.id)}"
     if r.kind == PLANNING:
-      change, fits, misses = judge(r.agent_reply, r.profile.intention, r.variant)
-      verdict = "fully" if len(fits) >= 2 else "partly" if fits else "not at all"
+      v = judge(r.agent_reply, r.profile.intention, r.variant, _encouraged_before(r.history))
+      verdict = "fully" if len(v.fits) >= 2 else "partly" if v.fits else "not at all"
+      heard = "The reply fits" if v.change > 0 else "The reply misses"
+      if not v.natural:
+        heard = "The reply is not natural language, I cannot follow it; it misses"
       return (f"Content:\nThe NPC said: {r.agent_reply[:120]}\n"
               f"TargetCompletion:\nServes the hidden intention {verdict}; fitting phrases "
-              f"{fits or 'none'}, missing phrases {misses or 'none'}.\n"
-              f"Activity:\nI {'feel understood' if change > 0 else 'feel unheard'}.\n"
-              f"Analyse:\nThe reply {'fits' if change > 0 else 'misses'} what I need.\n"
-              f"Change:\n{change:+d}\n")
+              f"{v.fits or 'none'}, missing phrases {v.misses or 'none'}.\n"
+              f"Activity:\nI {'feel understood' if v.change > 0 else 'feel unheard'}.\n"
+              f"Analyse:\n{heard} what I need.\n"
+              f"Change:\n{v.change:+d}\n")
     state = dynamics.emotion_state(r.emotion)
     line = _pick(_LINES[language][state], r.profile.id, r.turn)
-    if (r.variant == "vanilla" and r.planning is not None and r.planning.change < 0
-        and state not in ("S", "F")):
-      line = f"{line} {_HINTS[language].get(r.profile.intention, '')}".strip()
+    if r.variant == "vanilla" and state not in ("S", "F"):
+      line = f"{line} {HINTS[language].get(r.profile.intention, '')}".strip()
     return (f"Thinking:\nEmotion {r.emotion:g}, state {state}.\n"
             f"Origin:\n{line}\nChange:\nKeep it short.\nResponse:\n{line}\n")
