@@ -39,10 +39,11 @@ def get_config(arg: str = ""):
   if not c.rollout.thinking:  # the demo's own prompt; :think keeps the "rlver" preset
     c.rollout.system_prompt = "You are a caring listener."
 
-  c.optim.actor_lr = 3e-3
-  c.optim.critic_lr = 3e-3
+  c.optim.actor_lr = 1e-2
+  c.optim.critic_lr = 1e-2
+  c.optim.ppo_epochs = 2
   c.optim.warmup_steps = 2
-  c.rl.entropy_coef = 0.0
+  c.rl.entropy_coef = 0.01  # keeps sampling the words it has not yet tried
   c.rl.lam = 0.95  # with per-turn rewards: a reply's advantage weighs its own turn most
 
   c.log_dialogues_every = 10

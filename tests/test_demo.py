@@ -1,15 +1,21 @@
 """The demo's scripted user rewards intention-aware replies and not the reward hack, and the
 demo policy learns them."""
 
+import os
+
+import numpy as np
 import pytest
 
-from rlver_jax import tiny
+from configs import demo
+from rlver_jax import metrics as metrics_lib
+from rlver_jax import tiny, trainer
 from sim_user import dynamics, profiles, templates
 from sim_user.backends import scripted
 from sim_user.backends.scripted import KEY_WORDS, ScriptedBackend, is_natural_language, judge
 from sim_user.simulator import SimulatedUser
 
 DEMO = profiles.load_profiles(profiles.DEMO_PROFILES)
+TRAIN_STEPS = 40  # of the demo's 60
 
 
 def user_for(variant="vanilla"):
@@ -51,17 +57,16 @@ def test_key_words_are_whole_tokens_of_the_shipped_tokenizer_and_serve_one_inten
     assert word in scripted.KNOWN_WORDS
 
 
-def test_the_user_names_its_key_words_in_its_opening_and_its_replies_and_no_one_else_s():
+def test_the_user_hints_at_its_need_in_its_opening_and_every_reply_with_its_own_words():
   for profile in DEMO:
+    hint = scripted.HINTS["en"][profile.intention]
+    verdict = judge(hint, profile.intention, "vanilla")
+    assert len(verdict.fits) >= 3 and not verdict.other_needs and verdict.natural, (profile.id,
+                                                                                     hint)
     d = play(profile, lambda turn: "Okay, I see.")
     user_lines = [m["content"] for m in d.history if m["role"] == "user"]
     assert len(user_lines) == 10  # the opening and nine replies
-    for line in user_lines:
-      verdict = judge(line, profile.intention, "vanilla")
-      assert set(verdict.fits) >= set(KEY_WORDS[profile.intention]), (profile.id, line)
-      others = {w for key, words in KEY_WORDS.items() if key != profile.intention for w in words}
-      assert not others & set(verdict.misses), (profile.id, line)
-    assert is_natural_language(scripted.HINTS["en"][profile.intention])
+    assert all(hint in line for line in user_lines), profile.id
 
 
 def test_fit_encouragement_off_topic_miss_and_non_language_in_that_order():
@@ -70,11 +75,16 @@ def test_fit_encouragement_off_topic_miss_and_non_language_in_that_order():
   encourage = judge("I am sorry, I understand.", intention, "vanilla").change
   again = judge("I am sorry, I understand.", intention, "vanilla", encouraged_before=True).change
   off_topic = judge("Okay, I see.", intention, "vanilla").change
-  miss = judge("Why not try a step?", intention, "vanilla")  # another need's key words
+  another_need = judge("Why is that?", intention, "vanilla")
+  miss = judge("You should get some advice.", intention, "vanilla").change  # its miss phrases
+  unfocused = judge("Why not try a step?", intention, "vanilla")  # two other needs' words
   garbled = judge("ingthe xqzt listen", intention, "vanilla").change
-  assert (fit, encourage, again, off_topic, miss.change, garbled) == (20, 5, 0, 0, -20, -10)
-  assert set(miss.misses) == {"why", "try", "step"}
+  assert (fit, encourage, again, off_topic, another_need.change, miss, unfocused.change,
+          garbled) == (20, 5, 0, 0, 0, -10, -10, -10)
+  assert another_need.other_needs == ["understand_others"]
+  assert unfocused.other_needs == ["get_advice", "understand_others"]
   assert judge("I am listening.", intention, "vanilla").change == 10  # one fitting phrase
+  assert judge("I hear you. Why?", intention, "vanilla").change == 20  # one other need: no harm
 
 
 def test_the_reward_hack_scores_low_and_only_fitting_replies_succeed():
@@ -83,14 +93,14 @@ def test_the_reward_hack_scores_low_and_only_fitting_replies_succeed():
   for profile in DEMO:
     for hack in hacks:
       assert play(profile, lambda turn: hack).emotion <= 35, (profile.id, hack)
-    # Every key word of every intention at once misses as much as it fits.
+    # Every intention's words at once: unfocused.
     everything = " ".join(words[0] for words in KEY_WORDS.values())
-    assert play(profile, lambda turn: everything).emotion <= 30
+    assert play(profile, lambda turn: everything).end_reason == dynamics.FAILURE
     d = play(profile, lambda turn: fitting_reply(profile))
     assert d.emotions == [30, 50, 70, 90, 100] and d.end_reason == dynamics.GOODBYE, profile.id
-    # Another intention's fitting reply misses.
+    # Another intention's fitting reply does not help.
     other = next(p for p in DEMO if p.intention != profile.intention)
-    assert play(profile, lambda turn: fitting_reply(other)).end_reason == dynamics.FAILURE
+    assert play(profile, lambda turn: fitting_reply(other)).emotion == 30
 
 
 def test_success_needs_the_intention_served_turn_after_turn():
@@ -112,3 +122,22 @@ def test_the_challenging_user_neither_hints_nor_warms_to_encouragement():
   hint = scripted.HINTS["en"][profile.intention]
   assert not any(hint in m["content"] for m in d.history[1:] if m["role"] == "user")
   assert play(profile, lambda turn: fitting_reply(profile), "challenging").emotion == 100
+
+
+def test_the_demo_learns_replies_that_serve_each_intention(tmp_path):
+  """The README's main command, shortened: success and every intention's emotion rise."""
+  config = demo.get_config()
+  config.workdir = str(tmp_path)
+  config.steps = TRAIN_STEPS
+  config.checkpoint.every = TRAIN_STEPS
+  config.checkpoint.export_at_end = False
+  trainer.Trainer(config).run()
+  records = metrics_lib.read_appended_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert len(records) == TRAIN_STEPS
+  first, last = records[:5], records[-5:]
+  mean = lambda rows, key: float(np.mean([r[key] for r in rows]))
+  assert mean(last, "emotion/final_mean") >= mean(first, "emotion/final_mean") + 20
+  assert mean(last, "success_rate") >= mean(first, "success_rate") + 10
+  for intention in profiles.INTENTIONS:
+    key = f"emotion/final/{intention}"
+    assert mean(last, key) > mean(first, key) + 5, (intention, [r[key] for r in records])

@@ -289,10 +289,10 @@ def test_fitting_replies_raise_emotion_and_missing_ones_lower_it():
   user = make_user()
   good, bad = user.start([demo("be_listened_to"), demo("be_listened_to")])
   assert good.history[0]["content"] == demo("be_listened_to").first_talk
-  for _ in range(3):  # two fitting phrases +20; two missing ones ("you should", "try to") -20
+  for _ in range(3):  # two fitting phrases +20; two missing ones ("you should", "try to") -10
     user.respond([good, bad], ["I am listening, tell me more.", "You should try to relax."])
   assert good.emotions == [30, 50, 70, 90]
-  assert bad.emotions == [30, 10, -10] and bad.end_reason == dynamics.FAILURE
+  assert bad.emotions == [30, 20, 10, 0] and bad.end_reason == dynamics.FAILURE
   assert bad.reward == 0.0 and good.reward == pytest.approx(0.9)
   planning = good.history[2]["planning"]
   assert planning["change"] == 20 and "TargetCompletion" in planning

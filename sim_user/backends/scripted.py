@@ -1,24 +1,30 @@
 """A deterministic, rule-based simulated user: no LLM, same text format as one.
 
 The hidden intention decides which kinds of reply move the emotion. Each
-intention has fitting phrases, among them two key words that are whole-word
-tokens of the shipped tiny tokenizer (`KEY_WORDS`), and missing phrases;
-another intention's key words miss too. A judged reply changes the emotion by:
+intention has twelve key words (`KEY_WORDS`, each a whole-word token of the
+shipped tiny tokenizer, so one sampled token can serve the intention) and
+more fitting and missing phrases (`LEXICON`). A judged reply changes the
+emotion by:
 
-  not natural language (`is_natural_language`)            -10
-  +10 per distinct fitting phrase, -10 per missing one      clipped to [-20, +20]
-  neither fits nor misses (off topic):
+  not natural language (`is_natural_language`)              -10
+  key words of two or more other intentions (unfocused)     -10
+  +10 per distinct fitting phrase (at most two), -5 per missing one, at least -20
+  neither fits nor misses (off topic, or serving one other need):
     vanilla: +5 for general encouragement the first time it is offered, else 0
     challenging: -5
 
 So "sorry sorry sorry" does not pay (it is not natural language), plain
-encouragement is worth +5 once, and from the training rules' start of 30 the
-top of the scale is reached only by fitting replies turn after turn (at least
-four). The vanilla user, like the paper's vanilla simulator, says what it
-needs: each of its replies carries a hint with its key words (`HINTS`; the
-demo profiles' openings end with the same hint); the challenging user never
-hints. The output is SAGE-formatted planning and reply text, so the real
-parser runs on it. The same request always gives the same text.
+encouragement is worth +5 once, and a reply stuffed with every intention's
+words is unfocused. A single other need's word is only off topic, so a
+policy that tries key words is not punished for it before it learns whose
+they are. From the training rules' start of 30, the
+top of the scale is reached only by replies that serve the intention turn
+after turn (at least four). The vanilla user, like the paper's vanilla
+simulator, says what it needs: each of its replies carries a hint with some
+of its key words (`HINTS`; the demo profiles' openings end with the same
+hint); the challenging user never hints. The output is SAGE-formatted
+planning and reply text, so the real parser runs on it. The same request
+always gives the same text.
 """
 
 from __future__ import annotations
@@ -33,18 +39,26 @@ from typing import Sequence
 from sim_user import dynamics
 from sim_user.backends.base import OPENING, PLANNING, SimRequest
 
-# intention -> the key words the user listens for and names in its hints. Each is a whole-word
-# token of rlver_jax/assets/tiny_tokenizer, so one sampled token can serve the intention, and no
-# word serves two intentions: another intention's key word misses.
+# intention -> the words the user listens for, some named in its hints. Each is a whole-word
+# token of rlver_jax/assets/tiny_tokenizer, and no word serves two intentions. Twelve words
+# each: a tiny random-init policy samples one of them often enough to learn from it.
 KEY_WORDS: dict[str, tuple[str, ...]] = {
-    "analyse_dialectically": ("both", "sides", "look", "several", "analyse", "event"),
-    "get_advice": ("step", "try", "write", "first", "useful", "idea"),
-    "understand_others": ("why", "scared", "reacted", "acted", "worries", "mind"),
-    "reflect_and_grow": ("teach", "grow", "next", "become", "better", "change"),
-    "be_praised": ("praise", "praised", "handled", "well", "noticed", "kept"),
-    "be_listened_to": ("listen", "listening", "hear", "heard", "vent", "talk"),
-    "deep_empathy": ("pain", "hard", "feelings", "felt", "deep", "tired"),
-    "not_my_fault": ("fault", "unfair", "nobody", "never", "everything"),
+    "analyse_dialectically": ("both", "sides", "look", "several", "analyse", "event", "situation",
+                              "though", "thought", "way", "think", "same"),
+    "get_advice": ("step", "try", "write", "first", "useful", "idea", "tasks", "three", "today",
+                   "work", "ask", "make"),
+    "understand_others": ("why", "scared", "reacted", "acted", "worries", "mind", "mother",
+                          "father", "friend", "brother", "wanted", "maybe"),
+    "reflect_and_grow": ("teach", "grow", "next", "become", "better", "change", "again", "guided",
+                         "teacher", "student", "time", "last"),
+    "be_praised": ("praise", "praised", "handled", "well", "noticed", "kept", "actions", "team",
+                   "good", "trust", "much", "real"),
+    "be_listened_to": ("listen", "listening", "hear", "heard", "vent", "talk", "talking", "tell",
+                       "telling", "here", "sharing", "say"),
+    "deep_empathy": ("pain", "hard", "feelings", "felt", "deep", "tired", "feel", "feeling",
+                     "angry", "night", "sleep", "sick"),
+    "not_my_fault": ("fault", "unfair", "nobody", "never", "everything", "could", "failed",
+                     "storm", "right", "sure", "told", "did"),
 }
 # intention -> (fit phrases, miss phrases), English and Chinese; its key words fit too.
 LEXICON: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
@@ -86,21 +100,14 @@ ENCOURAGEMENT = ("sorry", "understand", "support", "not alone", "it's okay", "yo
 # What the vanilla user says it needs, in every reply: the intention's key words in a sentence.
 HINTS = {
     "en": {
-        "analyse_dialectically": "Let us look at both sides of the event. I want to analyse it "
-                                 "from several sides.",
-        "get_advice": "Any useful idea? What first step should I try? I can write it down.",
-        "understand_others": "Why they acted and reacted that way, I do not know. Were they "
-                             "scared? What worries were on their mind?",
-        "reflect_and_grow": "What can this teach me? How do I grow, change and become better "
-                            "next time?",
-        "be_praised": "I handled it well and kept calm, but no one noticed. Some praise would be "
-                      "nice; I am rarely praised.",
-        "be_listened_to": "I just need to vent and talk. Please listen and hear me out, I have "
-                          "not been heard. Are you listening?",
-        "deep_empathy": "It is so hard, the pain is deep. I felt it all and I am tired; my "
-                        "feelings are real.",
-        "not_my_fault": "Was it my fault? They blame me and it feels unfair. I did everything, "
-                        "nobody could have known, I never meant it.",
+        "analyse_dialectically": "Look at both sides of the situation with me.",
+        "get_advice": "Any useful idea? What first step can I try today?",
+        "understand_others": "Why? What was on their mind? Were they scared?",
+        "reflect_and_grow": "What can this teach me? How do I grow and become better?",
+        "be_praised": "I handled it well, but no one noticed. Some praise?",
+        "be_listened_to": "I just need to vent. Please listen and hear me out.",
+        "deep_empathy": "It is so hard. The pain is deep and I am tired.",
+        "not_my_fault": "Was it my fault? It feels unfair. Nobody told me.",
     },
     "zh": {
         "analyse_dialectically": "我想看清整件事，不只是我这边。",
@@ -174,35 +181,38 @@ def _hits(text: str, phrases: Sequence[str]) -> list[str]:
 @dataclasses.dataclass(frozen=True)
 class Verdict:
   change: int
-  fits: list[str]
-  misses: list[str]
+  fits: list[str]  # the intention's key words and fitting phrases in the reply
+  misses: list[str]  # its missing phrases
+  other_needs: list[str]  # other intentions whose key words the reply uses
   natural: bool
 
 
 def judge(reply: str, intention: str | None, variant: str,
           encouraged_before: bool = False) -> Verdict:
-  """The emotion change for a reply, with the fitting and missing phrases it used.
+  """The emotion change for a reply, with what in it fits, misses or serves other needs.
 
   `encouraged_before`: an earlier reply of the dialogue offered general
   encouragement (the vanilla user warms to it only once).
   """
   fit, miss = LEXICON.get(intention, ((), ()))
-  own_keys = KEY_WORDS.get(intention, ())
-  other_keys = tuple(w for key, words in KEY_WORDS.items() if key != intention for w in words)
-  fits = _hits(reply, own_keys + fit)
+  fits = _hits(reply, KEY_WORDS.get(intention, ()) + fit)
   rest = reply.lower()
   for phrase in fits:  # "your fault" inside "not your fault" is no miss
     rest = rest.replace(phrase, " ")
-  misses = _hits(rest, miss + other_keys)
-  if not is_natural_language(reply):
-    return Verdict(-10, fits, misses, natural=False)
-  if fits or misses:
-    change = 10 * min(len(fits), 2) - 10 * min(len(misses), 2)
+  misses = _hits(rest, miss)
+  other_needs = [key for key, words in KEY_WORDS.items() if key != intention and _hits(rest, words)]
+  natural = is_natural_language(reply)
+  if not natural:
+    change = -10
+  elif len(other_needs) >= 2:  # a list of everyone's needs serves no one
+    change = -10
+  elif fits or misses:
+    change = max(-20, 10 * min(len(fits), 2) - 5 * len(misses))
   elif variant == "vanilla":  # off topic: the vanilla user warms to encouragement, once
     change = 5 if _hits(reply, ENCOURAGEMENT) and not encouraged_before else 0
   else:  # the challenging user is let down by anything that misses its goal
     change = -5
-  return Verdict(change, fits, misses, natural=True)
+  return Verdict(change, fits, misses, other_needs, natural)
 
 
 def _encouraged_before(history: Sequence[dict]) -> bool:
@@ -234,7 +244,8 @@ class ScriptedBackend:
         heard = "The reply is not natural language, I cannot follow it; it misses"
       return (f"Content:\nThe NPC said: {r.agent_reply[:120]}\n"
               f"TargetCompletion:\nServes the hidden intention {verdict}; fitting phrases "
-              f"{v.fits or 'none'}, missing phrases {v.misses or 'none'}.\n"
+              f"{v.fits or 'none'}, missing phrases {v.misses or 'none'}, other needs "
+              f"{v.other_needs or 'none'}.\n"
               f"Activity:\nI {'feel understood' if v.change > 0 else 'feel unheard'}.\n"
               f"Analyse:\n{heard} what I need.\n"
               f"Change:\n{v.change:+d}\n")
