@@ -14,7 +14,9 @@ dialogues, which are listed and not scored), and PNG plots of the emotion
 trajectories and the final-score histogram. Rerun in the same workdir, it
 resumes: profiles with a scored record are skipped, failed ones are run again.
 It raises EvaluationError when fewer than `eval.min_scored_share` of the
-profiles were scored.
+profiles were scored. With `eval.baseline_checkpoint` (e.g. the untrained
+policy) that checkpoint is evaluated the same way first, in W/baseline, and
+both scores are printed side by side.
 """
 
 from __future__ import annotations

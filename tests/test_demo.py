@@ -1,12 +1,15 @@
 """The demo's scripted user rewards intention-aware replies and not the reward hack, and the
 demo policy learns them."""
 
+import json
 import os
 
 import numpy as np
 import pytest
 
 from configs import demo
+from configs import eval as eval_config
+from rlver_jax import eval as evaluator
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import tiny, trainer
 from sim_user import dynamics, profiles, templates
@@ -125,7 +128,7 @@ def test_the_challenging_user_neither_hints_nor_warms_to_encouragement():
 
 
 def test_the_demo_learns_replies_that_serve_each_intention(tmp_path):
-  """The README's main command, shortened: success and every intention's emotion rise."""
+  """The README's main command, shortened: every intention's final emotion rises."""
   config = demo.get_config()
   config.workdir = str(tmp_path)
   config.steps = TRAIN_STEPS
@@ -136,8 +139,30 @@ def test_the_demo_learns_replies_that_serve_each_intention(tmp_path):
   assert len(records) == TRAIN_STEPS
   first, last = records[:5], records[-5:]
   mean = lambda rows, key: float(np.mean([r[key] for r in rows]))
-  assert mean(last, "emotion/final_mean") >= mean(first, "emotion/final_mean") + 20
-  assert mean(last, "success_rate") >= mean(first, "success_rate") + 10
-  for intention in profiles.INTENTIONS:
+  assert mean(last, "emotion/final_mean") >= mean(first, "emotion/final_mean") + 15
+  for intention in profiles.INTENTIONS:  # every one of the eight, not only the mean
     key = f"emotion/final/{intention}"
-    assert mean(last, key) > mean(first, key) + 5, (intention, [r[key] for r in records])
+    assert mean(last, key) >= mean(first, key) + 8, (intention, [r[key] for r in records])
+
+
+def test_eval_with_a_baseline_prints_before_and_after(tmp_path, capsys):
+  checkpoint = str(tmp_path / "policy")
+  tiny.write_checkpoint(checkpoint, seed=0)
+  config = eval_config.get_config()
+  config.policy.checkpoint = config.eval.baseline_checkpoint = checkpoint
+  config.policy.dtype = "float32"
+  config.workdir = str(tmp_path / "eval")
+  config.eval.profiles = profiles.DEMO_PROFILES
+  config.eval.limit = 2
+  config.eval.max_new_tokens = 4
+  config.sim_user.backend = "scripted"
+  config.sim_user.language = "en"
+  after = evaluator.evaluate_with_baseline(config)
+  with open(tmp_path / "eval" / "baseline" / "summary.json") as f:
+    before = json.load(f)
+  assert before["n"] == after["n"] == 2 and before["score"] == after["score"]
+  printed = capsys.readouterr().out
+  assert f"before: {checkpoint}" in printed
+  score_line = next(line for line in printed.splitlines() if line.startswith("score (mean"))
+  assert score_line.split()[-2:] == [f"{after['score']:.1f}"] * 2
+  assert sum(line.startswith("score: ") for line in printed.splitlines()) == 2  # 2 intentions
