@@ -17,14 +17,14 @@ So "sorry sorry sorry" does not pay (it is not natural language), plain
 encouragement is worth +5 once, and a reply stuffed with every intention's
 words is unfocused. A single other need's word is only off topic, so a
 policy that tries key words is not punished for it before it learns whose
-they are. From the training rules' start of 30, the
-top of the scale is reached only by replies that serve the intention turn
-after turn (at least four). The vanilla user, like the paper's vanilla
-simulator, says what it needs: each of its replies carries a hint with some
-of its key words (`HINTS`; the demo profiles' openings end with the same
-hint); the challenging user never hints. The output is SAGE-formatted
-planning and reply text, so the real parser runs on it. The same request
-always gives the same text.
+they are. From the training rules' start of 30, the top of the scale is
+reached only by replies that serve the intention turn after turn (at least
+four). The vanilla user, like the paper's vanilla simulator, says what it
+needs: each of its replies below the top and above the bottom state carries
+a hint with some of its key words (`HINTS`; the demo profiles' openings end
+with the same hint); the challenging user never hints. The output is
+SAGE-formatted planning and reply text, so the real parser runs on it. The
+same request always gives the same text.
 """
 
 from __future__ import annotations
