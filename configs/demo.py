@@ -34,7 +34,6 @@ def get_config(arg: str = ""):
   # Short replies: a fitting one needs only a key word and one more word (sim_user/backends/
   # scripted.py), and the fewer tokens a reply has, the smaller the space the policy searches.
   c.rollout.max_new_tokens = 8
-  c.rollout.reward = "turn"  # each reply is credited with its own emotion change
   c.rollout.max_dialogue_tokens = 400
   if not c.rollout.thinking:  # the demo's own prompt; :think keeps the "rlver" preset
     c.rollout.system_prompt = "You are a caring listener."
@@ -44,7 +43,7 @@ def get_config(arg: str = ""):
   c.optim.ppo_epochs = 2
   c.optim.warmup_steps = 2
   c.rl.entropy_coef = 0.01  # keeps sampling the words it has not yet tried
-  c.rl.lam = 0.95  # with per-turn rewards: a reply's advantage weighs its own turn most
+  c.rl.lam = 0.95  # a reply's advantage weighs the values of the turns just after it most
 
   c.log_dialogues_every = 10
   c.checkpoint.every = 10
