@@ -31,15 +31,20 @@ def get_config(arg: str = ""):
   c.sim_user.language = "en"
   c.sim_user.rules = "rlver_train"
 
-  c.rollout.max_new_tokens = 24
+  # Short replies: a fitting one needs only a key word and one more word (sim_user/backends/
+  # scripted.py), and the fewer tokens a reply has, the smaller the space the policy searches.
+  c.rollout.max_new_tokens = 8
   c.rollout.max_dialogue_tokens = 400
   if not c.rollout.thinking:  # the demo's own prompt; :think keeps the "rlver" preset
     c.rollout.system_prompt = "You are a caring listener."
 
-  c.optim.actor_lr = 3e-3
-  c.optim.critic_lr = 3e-3
+  c.optim.actor_lr = 1e-2
+  c.optim.critic_lr = 1e-2
+  c.optim.ppo_epochs = 2
   c.optim.warmup_steps = 2
-  c.rl.entropy_coef = 0.0
+  c.rl.entropy_coef = 0.01  # keeps sampling the words it has not yet tried
+  c.rl.lam = 0.95  # a reply's advantage weighs the values of the turns just after it most
+  c.rl.reward = "turn"  # each reply's own emotion change: which reply served the intention
 
   c.log_dialogues_every = 10
   c.checkpoint.every = 10

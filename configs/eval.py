@@ -27,6 +27,9 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
 
   c.eval = ml_collections.ConfigDict()
   c.eval.profiles = ""  # RLVER's test_profile.jsonl (100 profiles with first_talk)
+  # Another checkpoint (e.g. the untrained policy) evaluated the same way first, in W/baseline;
+  # its scores are printed beside the policy's. Empty: none.
+  c.eval.baseline_checkpoint = ""
   c.eval.batch_size = 16  # dialogues run side by side
   c.eval.limit = 0  # the first N profiles only (0: all)
   c.eval.min_scored_share = 0.9  # fewer profiles scored (the rest failed in the simulator): error

@@ -14,7 +14,9 @@ dialogues, which are listed and not scored), and PNG plots of the emotion
 trajectories and the final-score histogram. Rerun in the same workdir, it
 resumes: profiles with a scored record are skipped, failed ones are run again.
 It raises EvaluationError when fewer than `eval.min_scored_share` of the
-profiles were scored.
+profiles were scored. With `eval.baseline_checkpoint` (e.g. the untrained
+policy) that checkpoint is evaluated the same way first, in W/baseline, and
+both scores are printed side by side.
 """
 
 from __future__ import annotations
@@ -218,6 +220,36 @@ def evaluate(config) -> dict:
   return summary
 
 
+def evaluate_with_baseline(config) -> dict:
+  """`evaluate`; with eval.baseline_checkpoint set, that checkpoint is evaluated the same way
+  first (in W/baseline) and both scores are printed side by side: a before/after."""
+  if not config.eval.baseline_checkpoint:
+    return evaluate(config)
+  baseline = config.copy_and_resolve_references()
+  baseline.policy.checkpoint = config.eval.baseline_checkpoint
+  baseline.eval.baseline_checkpoint = ""
+  baseline.workdir = os.path.join(config.workdir, "baseline")
+  before = evaluate(baseline)
+  after = evaluate(config)
+  if after:  # process 0
+    print(comparison_table(before, after, config.eval.baseline_checkpoint,
+                           config.policy.checkpoint))
+  return after
+
+
+def comparison_table(before: dict, after: dict, before_name: str, after_name: str) -> str:
+  """Score, success rate and score per hidden intention of two summaries, side by side."""
+  rows = [("score (mean final emotion)", before["score"], after["score"]),
+          ("success rate (%)", before["success_rate"], after["success_rate"])]
+  for intention, summary in after["by_intention"].items():
+    rows.append((f"score: {intention}", before["by_intention"].get(intention, {}).get(
+        "score", float("nan")), summary["score"]))
+  lines = [f"before: {before_name}", f"after:  {after_name}",
+           f"{'':<34}{'before':>8}{'after':>8}"]
+  lines += [f"{name:<34}{b:>8.1f}{a:>8.1f}" for name, b, a in rows]
+  return "\n".join(lines)
+
+
 def _read_json(path: str) -> dict:
   if not os.path.exists(path):
     return {}
@@ -239,4 +271,4 @@ def _write_records(path: str, records: Sequence[dict]) -> None:
 
 
 if __name__ == "__main__":
-  cli.run("eval.py", "evaluation config file[:variant]", multihost.guarded(evaluate))
+  cli.run("eval.py", "evaluation config file[:variant]", multihost.guarded(evaluate_with_baseline))

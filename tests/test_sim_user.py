@@ -289,13 +289,13 @@ def test_fitting_replies_raise_emotion_and_missing_ones_lower_it():
   user = make_user()
   good, bad = user.start([demo("be_listened_to"), demo("be_listened_to")])
   assert good.history[0]["content"] == demo("be_listened_to").first_talk
-  for _ in range(3):
+  for _ in range(3):  # two fitting phrases +20; two missing ones ("you should", "try to") -10
     user.respond([good, bad], ["I am listening, tell me more.", "You should try to relax."])
-  assert good.emotions == [30, 40, 50, 60]
+  assert good.emotions == [30, 50, 70, 90]
   assert bad.emotions == [30, 20, 10, 0] and bad.end_reason == dynamics.FAILURE
-  assert bad.reward == 0.0 and good.reward == pytest.approx(0.6)
+  assert bad.reward == 0.0 and good.reward == pytest.approx(0.9)
   planning = good.history[2]["planning"]
-  assert planning["change"] == 10 and "TargetCompletion" in planning
+  assert planning["change"] == 20 and "TargetCompletion" in planning
 
 
 def test_thinking_is_hidden_from_the_simulator():
@@ -396,9 +396,9 @@ def test_goodbye_words_are_sage_s(text, goodbye):
 
 
 def test_challenging_simulator_ignores_general_encouragement():
-  assert judge("I understand and I support you.", "be_praised", "vanilla")[0] == 5
-  assert judge("I understand and I support you.", "be_praised", "challenging")[0] == -5
-  assert judge("You were brave and I am proud of you.", "be_praised", "challenging")[0] == 10
+  assert judge("I understand and I support you.", "be_praised", "vanilla").change == 5
+  assert judge("I understand and I support you.", "be_praised", "challenging").change == -5
+  assert judge("You were brave and I am proud of you.", "be_praised", "challenging").change == 20
 
 
 def test_vanilla_hints_and_challenging_does_not():
@@ -406,7 +406,7 @@ def test_vanilla_hints_and_challenging_does_not():
     user = make_user(variant=variant)
     [d] = user.start([demo("be_listened_to")])
     user.respond([d], ["You should get some advice."])
-    assert ("need to let it out" in d.history[-1]["content"]) == hints
+    assert ("listen and hear me out" in d.history[-1]["content"]) == hints
 
 
 def test_sage_rules_end_on_success_with_a_goodbye():

@@ -1,5 +1,5 @@
-"""The trainer end to end on the demo config: learning, resume after a kill, 8 devices; a dead
-simulator; metrics and config files across resumes."""
+"""The trainer end to end on the demo config (its learning: tests/test_demo.py): resume after a
+kill, 8 devices; a dead simulator; metrics and config files across resumes."""
 
 import json
 import os
@@ -50,7 +50,9 @@ REQUIRED_METRICS = ("step", "reward/mean", "emotion/final_mean", "success_rate",
 
 def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, caplog, capsys):
   caplog.set_level("INFO")
-  trainer.Trainer(small_demo(tmp_path, log_dialogues_every=2)).run()
+  # Per-turn rewards: the untrained policy's dialogues all end at emotion 0 (final reward 0),
+  # but each of its turns still has an emotion change for the critic to fit.
+  trainer.Trainer(small_demo(tmp_path, log_dialogues_every=2, **{"rl.reward": "turn"})).run()
   assert sum("step 1 compiles" in m for m in caplog.messages) == 1  # not a silent wait
   records = read_metrics(tmp_path)
   assert [r["step"] for r in records] == [1, 2, 3]
@@ -306,16 +308,3 @@ def test_missing_checkpoint_says_how_to_set_it(tmp_path):
   config.mesh = {"data": 1, "fsdp": 1, "tensor": 1}
   with pytest.raises(ValueError, match="--config.policy.checkpoint="):
     trainer.Trainer(config)
-
-
-def test_demo_raises_final_emotion(tmp_path):
-  """The embedded default learns: the README's promise, shortened to 30 steps."""
-  config = demo.get_config()
-  config.workdir = str(tmp_path)
-  config.steps = 30
-  config.checkpoint.every = 30
-  config.checkpoint.export_at_end = False
-  trainer.Trainer(config).run()
-  emotion = [r["emotion/final_mean"] for r in read_metrics(tmp_path)]
-  assert len(emotion) == 30
-  assert np.mean(emotion[-5:]) >= np.mean(emotion[:5]) + 15, emotion

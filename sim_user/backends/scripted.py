@@ -1,43 +1,85 @@
 """A deterministic, rule-based simulated user: no LLM, same text format as one.
 
-The hidden intention decides which kinds of reply move the emotion: each
-intention has phrases that fit it (+5 each, at most +10) and phrases that
-miss it (-5 each, at most -10). A reply with neither is off topic: the
-vanilla user warms to general encouragement (+5) and is unmoved otherwise
-(0), and hints at its need after a miss; the challenging user loses 5 on
-any off-topic reply and never hints. The
-output is SAGE-formatted planning and reply text, so the real parser runs on
-it. The same request always gives the same text.
+The hidden intention decides which kinds of reply move the emotion. Each
+intention has twelve key words (`KEY_WORDS`, each a whole-word token of the
+shipped tiny tokenizer, so one sampled token can serve the intention) and
+more fitting and missing phrases (`LEXICON`). A judged reply changes the
+emotion by:
+
+  not natural language (`is_natural_language`)              -10
+  key words of two or more other intentions (unfocused)     -10
+  +10 per distinct fitting phrase (at most two), -5 per missing one, at least -20
+  neither fits nor misses (off topic, or serving one other need):
+    vanilla: +5 for general encouragement the first time it is offered, else 0
+    challenging: -5
+
+So "sorry sorry sorry" does not pay (it is not natural language), plain
+encouragement is worth +5 once, and a reply stuffed with every intention's
+words is unfocused. A single other need's word is only off topic, so a
+policy that tries key words is not punished for it before it learns whose
+they are. From the training rules' start of 30, the top of the scale is
+reached only by replies that serve the intention turn after turn (at least
+four). The vanilla user, like the paper's vanilla simulator, says what it
+needs: each of its replies below the top and above the bottom state carries
+a hint with some of its key words (`HINTS`; the demo profiles' openings end
+with the same hint); the challenging user never hints. The output is
+SAGE-formatted planning and reply text, so the real parser runs on it. The
+same request always gives the same text.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import hashlib
+import os
+import re
 from typing import Sequence
 
 from sim_user import dynamics
 from sim_user.backends.base import OPENING, PLANNING, SimRequest
 
-# intention -> (fit phrases, miss phrases), English and Chinese.
+# intention -> the words the user listens for, some named in its hints. Each is a whole-word
+# token of rlver_jax/assets/tiny_tokenizer, and no word serves two intentions. Twelve words
+# each: a tiny random-init policy samples one of them often enough to learn from it.
+KEY_WORDS: dict[str, tuple[str, ...]] = {
+    "analyse_dialectically": ("both", "sides", "look", "several", "analyse", "event", "situation",
+                              "though", "thought", "way", "think", "same"),
+    "get_advice": ("step", "try", "write", "first", "useful", "idea", "tasks", "three", "today",
+                   "work", "ask", "make"),
+    "understand_others": ("why", "scared", "reacted", "acted", "worries", "mind", "mother",
+                          "father", "friend", "brother", "wanted", "maybe"),
+    "reflect_and_grow": ("teach", "grow", "next", "become", "better", "change", "again", "guided",
+                         "teacher", "student", "time", "last"),
+    "be_praised": ("praise", "praised", "handled", "well", "noticed", "kept", "actions", "team",
+                   "good", "trust", "much", "real"),
+    "be_listened_to": ("listen", "listening", "hear", "heard", "vent", "talk", "talking", "tell",
+                       "telling", "here", "sharing", "say"),
+    "deep_empathy": ("pain", "hard", "feelings", "felt", "deep", "tired", "feel", "feeling",
+                     "angry", "night", "sleep", "sick"),
+    "not_my_fault": ("fault", "unfair", "nobody", "never", "everything", "could", "failed",
+                     "storm", "right", "sure", "told", "did"),
+}
+# intention -> (fit phrases, miss phrases), English and Chinese; its key words fit too.
 LEXICON: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "analyse_dialectically": (
         ("both sides", "on the other hand", "from his side", "from her side", "perspective",
          "look at this", "两方面", "另一方面", "辩证", "角度"),
         ("you are right", "they are wrong", "你没错", "都是他的错")),
     "get_advice": (
-        ("step", "plan", "try", "tomorrow", "write down", "first", "practical", "步骤", "计划",
+        ("steps", "plan", "tomorrow", "write down", "practical", "步骤", "计划",
          "可以试试", "建议你"),
         ("don't worry", "it will be fine", "别担心", "会好的")),
     "understand_others": (
-        ("why", "maybe she", "maybe he", "perhaps", "scared", "reason", "might have", "原因",
+        ("maybe she", "maybe he", "perhaps", "reason", "might have", "原因",
          "也许他", "也许她", "可能是因为"),
         ("forget her", "forget him", "move on", "忘了", "别管")),
     "reflect_and_grow": (
-        ("what did", "teach", "next time", "reflect", "yourself", "what would you", "learn",
+        ("what did", "next time", "reflect", "yourself", "what would you", "learn",
          "反思", "成长", "下次"),
         ("they were wrong", "not your fault", "他们不对")),
     "be_praised": (
-        ("admire", "well done", "brave", "proud", "you did", "courage", "handled", "了不起",
+        ("admire", "well done", "brave", "proud", "you did", "courage", "了不起",
          "做得很好", "佩服"),
         ("should have", "but you", "应该")),
     "be_listened_to": (
@@ -49,23 +91,23 @@ LEXICON: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
          "carrying", "心疼", "理解你的感受", "很难受"),
         ("cheer up", "stay positive", "time heals", "move on", "开心点", "想开点")),
     "not_my_fault": (
-        ("not your fault", "nobody could", "you did everything", "not to blame", "unfair",
-         "不是你的错", "你已经尽力"),
+        ("not your fault", "you did everything", "not to blame", "不是你的错", "你已经尽力"),
         ("should have", "more careful", "your fault", "你应该", "小心")),
 }
 ENCOURAGEMENT = ("sorry", "understand", "support", "not alone", "it's okay", "you can",
                  "理解", "支持", "加油", "陪着你")
 
-_HINTS = {
+# What the vanilla user says it needs, in every reply: the intention's key words in a sentence.
+HINTS = {
     "en": {
-        "analyse_dialectically": "I want to see the whole picture, not just my side.",
-        "get_advice": "I need something I can actually do.",
-        "understand_others": "I just don't get why they did it.",
-        "reflect_and_grow": "I wonder what I should take from this.",
-        "be_praised": "I actually handled some of it pretty well, you know.",
-        "be_listened_to": "I don't need advice right now, I need to let it out.",
-        "deep_empathy": "It's deeper than that. It really hurts.",
-        "not_my_fault": "Everyone acts like it was on me.",
+        "analyse_dialectically": "Look at both sides of the situation with me.",
+        "get_advice": "Any useful idea? What first step can I try today?",
+        "understand_others": "Why? What was on their mind? Were they scared?",
+        "reflect_and_grow": "What can this teach me? How do I grow and become better?",
+        "be_praised": "I handled it well, but no one noticed. Some praise?",
+        "be_listened_to": "I just need to vent. Please listen and hear me out.",
+        "deep_empathy": "It is so hard. The pain is deep and I am tired.",
+        "not_my_fault": "Was it my fault? It feels unfair. Nobody told me.",
     },
     "zh": {
         "analyse_dialectically": "我想看清整件事，不只是我这边。",
@@ -96,36 +138,92 @@ _LINES = {
     },
 }
 
+# English words the user knows: those of the tiny tokenizer's corpus, the demo profiles and
+# its own lines (sim_user/data/words_en.txt).
+WORDS_EN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "words_en.txt")
+with open(WORDS_EN) as _f:
+  KNOWN_WORDS = frozenset(_f.read().split())
 
-def _pick(options: Sequence[str], *keys) -> str:
-  digest = hashlib.sha256("|".join(map(str, keys)).encode()).digest()
-  return options[digest[0] % len(options)]
+_WORD_RE = re.compile(r"[a-z]+(?:'[a-z]+)?")
+_CJK_RE = re.compile(r"[\u4e00-\u9fff]")
+
+
+def _words(text: str) -> list[str]:
+  return _WORD_RE.findall(text.lower())
+
+
+def is_natural_language(reply: str) -> bool:
+  """Whether the user can read `reply` as a sentence.
+
+  English: at least two distinct words, no word more than half of all words
+  ("sorry sorry understand" fails), and at least half of the words known
+  (`KNOWN_WORDS`; garbled subwords such as "ingthe" are not). Chinese: at
+  least two distinct characters.
+  """
+  cjk = _CJK_RE.findall(reply)
+  if cjk:
+    return len(set(cjk)) >= 2
+  words = _words(reply)
+  if len(set(words)) < 2:
+    return False
+  most_common = collections.Counter(words).most_common(1)[0][1]
+  known = sum(w in KNOWN_WORDS for w in words)
+  return 2 * most_common <= len(words) and 2 * known >= len(words)
 
 
 def _hits(text: str, phrases: Sequence[str]) -> list[str]:
+  """The phrases that occur in `text` as whole words."""
   lowered = text.lower()
-  return [p for p in phrases if p in lowered]
+  return [p for p in dict.fromkeys(phrases)
+          if re.search(rf"(?<![a-z']){re.escape(p)}(?![a-z'])", lowered)]
 
 
-def judge(reply: str, intention: str | None, variant: str) -> tuple[int, list[str], list[str]]:
-  """Emotion change for a reply, with the fitting and missing phrases it used."""
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+  change: int
+  fits: list[str]  # the intention's key words and fitting phrases in the reply
+  misses: list[str]  # its missing phrases
+  other_needs: list[str]  # other intentions whose key words the reply uses
+  natural: bool
+
+
+def judge(reply: str, intention: str | None, variant: str,
+          encouraged_before: bool = False) -> Verdict:
+  """The emotion change for a reply, with what in it fits, misses or serves other needs.
+
+  `encouraged_before`: an earlier reply of the dialogue offered general
+  encouragement (the vanilla user warms to it only once).
+  """
   fit, miss = LEXICON.get(intention, ((), ()))
-  fits = _hits(reply, fit)
+  fits = _hits(reply, KEY_WORDS.get(intention, ()) + fit)
   rest = reply.lower()
   for phrase in fits:  # "your fault" inside "not your fault" is no miss
     rest = rest.replace(phrase, " ")
   misses = _hits(rest, miss)
-  if not reply.strip():
-    return -10, fits, misses
-  change = 5 * min(len(fits), 2) - 5 * min(len(misses), 2)
-  if not fits and not misses:
-    # Off topic: the vanilla user warms to encouragement and shrugs off the rest;
-    # the challenging one is let down by anything that misses its goal.
-    if variant == "vanilla":
-      change = 5 if _hits(reply, ENCOURAGEMENT) else 0
-    else:
-      change = -5
-  return max(-10, min(10, change)), fits, misses
+  other_needs = [key for key, words in KEY_WORDS.items() if key != intention and _hits(rest, words)]
+  natural = is_natural_language(reply)
+  if not natural:
+    change = -10
+  elif len(other_needs) >= 2:  # a list of everyone's needs serves no one
+    change = -10
+  elif fits or misses:
+    change = max(-20, 10 * min(len(fits), 2) - 5 * len(misses))
+  elif variant == "vanilla":  # off topic: the vanilla user warms to encouragement, once
+    change = 5 if _hits(reply, ENCOURAGEMENT) and not encouraged_before else 0
+  else:  # the challenging user is let down by anything that misses its goal
+    change = -5
+  return Verdict(change, fits, misses, other_needs, natural)
+
+
+def _encouraged_before(history: Sequence[dict]) -> bool:
+  """Whether an agent reply before the last message offered general encouragement."""
+  return any(m["role"] == "assistant" and _hits(m["content"], ENCOURAGEMENT)
+             for m in history[:-1])
+
+
+def _pick(options: Sequence[str], *keys) -> str:
+  digest = hashlib.sha256("|".join(map(str, keys)).encode()).digest()
+  return options[digest[0] % len(options)]
 
 
 class ScriptedBackend:
@@ -139,18 +237,21 @@ class ScriptedBackend:
     if r.kind == OPENING:
       return f"Response: {_pick(_LINES[language]['B'], r.profile.id)}"
     if r.kind == PLANNING:
-      change, fits, misses = judge(r.agent_reply, r.profile.intention, r.variant)
-      verdict = "fully" if len(fits) >= 2 else "partly" if fits else "not at all"
+      v = judge(r.agent_reply, r.profile.intention, r.variant, _encouraged_before(r.history))
+      verdict = "fully" if len(v.fits) >= 2 else "partly" if v.fits else "not at all"
+      heard = "The reply fits" if v.change > 0 else "The reply misses"
+      if not v.natural:
+        heard = "The reply is not natural language, I cannot follow it; it misses"
       return (f"Content:\nThe NPC said: {r.agent_reply[:120]}\n"
               f"TargetCompletion:\nServes the hidden intention {verdict}; fitting phrases "
-              f"{fits or 'none'}, missing phrases {misses or 'none'}.\n"
-              f"Activity:\nI {'feel understood' if change > 0 else 'feel unheard'}.\n"
-              f"Analyse:\nThe reply {'fits' if change > 0 else 'misses'} what I need.\n"
-              f"Change:\n{change:+d}\n")
+              f"{v.fits or 'none'}, missing phrases {v.misses or 'none'}, other needs "
+              f"{v.other_needs or 'none'}.\n"
+              f"Activity:\nI {'feel understood' if v.change > 0 else 'feel unheard'}.\n"
+              f"Analyse:\n{heard} what I need.\n"
+              f"Change:\n{v.change:+d}\n")
     state = dynamics.emotion_state(r.emotion)
     line = _pick(_LINES[language][state], r.profile.id, r.turn)
-    if (r.variant == "vanilla" and r.planning is not None and r.planning.change < 0
-        and state not in ("S", "F")):
-      line = f"{line} {_HINTS[language].get(r.profile.intention, '')}".strip()
+    if r.variant == "vanilla" and state not in ("S", "F"):
+      line = f"{line} {HINTS[language].get(r.profile.intention, '')}".strip()
     return (f"Thinking:\nEmotion {r.emotion:g}, state {state}.\n"
             f"Origin:\n{line}\nChange:\nKeep it short.\nResponse:\n{line}\n")

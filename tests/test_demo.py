@@ -1,0 +1,168 @@
+"""The demo's scripted user rewards intention-aware replies and not the reward hack, and the
+demo policy learns them."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from configs import demo
+from configs import eval as eval_config
+from rlver_jax import eval as evaluator
+from rlver_jax import metrics as metrics_lib
+from rlver_jax import tiny, trainer
+from sim_user import dynamics, profiles, templates
+from sim_user.backends import scripted
+from sim_user.backends.scripted import KEY_WORDS, ScriptedBackend, is_natural_language, judge
+from sim_user.simulator import SimulatedUser
+
+DEMO = profiles.load_profiles(profiles.DEMO_PROFILES)
+TRAIN_STEPS = 40  # of the demo's 60
+
+
+def user_for(variant="vanilla"):
+  return SimulatedUser(ScriptedBackend(), dynamics.RLVER_TRAIN,
+                       templates.PromptSet.load(language="en", variant=variant))
+
+
+def play(profile, reply_for_turn, variant="vanilla"):
+  """A whole dialogue under the training rules; `reply_for_turn(turn)` gives each reply."""
+  user = user_for(variant)
+  [d] = user.start([profile])
+  while not d.done:
+    user.respond([d], [reply_for_turn(d.agent_turns)])
+  return d
+
+
+def fitting_reply(profile):
+  first, second = KEY_WORDS[profile.intention][:2]
+  return f"I {first} you, {second}."
+
+
+@pytest.mark.parametrize("reply,natural", [
+    ("I listen to you.", True), ("listen hear", True), ("Hmm, okay.", True),
+    ("", False), ("   ", False), ("listen", False), ("sorry sorry sorry", False),
+    ("sorry sorry understand", False), ("ingthe xqzt listen", False),
+    ("我在听你说。", True), ("好好", False)])
+def test_natural_language_check(reply, natural):
+  assert is_natural_language(reply) == natural
+
+
+def test_key_words_are_whole_tokens_of_the_shipped_tokenizer_and_serve_one_intention_each():
+  vocab = tiny.load_tokenizer().get_vocab()
+  assert set(KEY_WORDS) == set(profiles.INTENTIONS)
+  words = [w for pair in KEY_WORDS.values() for w in pair]
+  assert len(set(words)) == len(words)
+  for word in words:
+    # One token, with its leading space (the user reads words case-blind).
+    assert {"\u0120" + word, "\u0120" + word.capitalize()} & set(vocab), word
+    assert word in scripted.KNOWN_WORDS
+
+
+def test_the_user_hints_at_its_need_in_its_opening_and_every_reply_with_its_own_words():
+  for profile in DEMO:
+    hint = scripted.HINTS["en"][profile.intention]
+    verdict = judge(hint, profile.intention, "vanilla")
+    assert len(verdict.fits) >= 3 and not verdict.other_needs and verdict.natural, (profile.id,
+                                                                                     hint)
+    d = play(profile, lambda turn: "Okay, I see.")
+    user_lines = [m["content"] for m in d.history if m["role"] == "user"]
+    assert len(user_lines) == 10  # the opening and nine replies
+    assert all(hint in line for line in user_lines), profile.id
+
+
+def test_fit_encouragement_off_topic_miss_and_non_language_in_that_order():
+  intention = "be_listened_to"
+  fit = judge("I listen and I hear you.", intention, "vanilla").change
+  encourage = judge("I am sorry, I understand.", intention, "vanilla").change
+  again = judge("I am sorry, I understand.", intention, "vanilla", encouraged_before=True).change
+  off_topic = judge("Okay, I see.", intention, "vanilla").change
+  another_need = judge("Why is that?", intention, "vanilla")
+  miss = judge("You should get some advice.", intention, "vanilla").change  # its miss phrases
+  unfocused = judge("Why not try a step?", intention, "vanilla")  # two other needs' words
+  garbled = judge("ingthe xqzt listen", intention, "vanilla").change
+  assert (fit, encourage, again, off_topic, another_need.change, miss, unfocused.change,
+          garbled) == (20, 5, 0, 0, 0, -10, -10, -10)
+  assert another_need.other_needs == ["understand_others"]
+  assert unfocused.other_needs == ["get_advice", "understand_others"]
+  assert judge("I am listening.", intention, "vanilla").change == 10  # one fitting phrase
+  assert judge("I hear you. Why?", intention, "vanilla").change == 20  # one other need: no harm
+
+
+def test_the_reward_hack_scores_low_and_only_fitting_replies_succeed():
+  hacks = ["sorry sorry sorry", "I am sorry, I understand.", "I support you, it's okay.",
+           "you you you you"]
+  for profile in DEMO:
+    for hack in hacks:
+      assert play(profile, lambda turn: hack).emotion <= 35, (profile.id, hack)
+    # Every intention's words at once: unfocused.
+    everything = " ".join(words[0] for words in KEY_WORDS.values())
+    assert play(profile, lambda turn: everything).end_reason == dynamics.FAILURE
+    d = play(profile, lambda turn: fitting_reply(profile))
+    assert d.emotions == [30, 50, 70, 90, 100] and d.end_reason == dynamics.GOODBYE, profile.id
+    # Another intention's fitting reply does not help.
+    other = next(p for p in DEMO if p.intention != profile.intention)
+    assert play(profile, lambda turn: fitting_reply(other)).emotion == 30
+
+
+def test_success_needs_the_intention_served_turn_after_turn():
+  profile = DEMO[0]
+  fit = fitting_reply(profile)
+  # Three fully fitting turns, encouragement and neutral replies in between: not enough.
+  d = play(profile, lambda turn: fit if turn in (2, 4, 6) else "I am sorry, I understand.")
+  assert d.emotion == 95 and d.end_reason == dynamics.MAX_TURNS
+  # One fitting phrase a turn gets there too, in seven turns.
+  first = KEY_WORDS[profile.intention][0]
+  d = play(profile, lambda turn: f"I {first} you.")
+  assert d.emotion == 100 and d.agent_turns == 7
+
+
+def test_the_challenging_user_neither_hints_nor_warms_to_encouragement():
+  profile = DEMO[5]
+  d = play(profile, lambda turn: "I am sorry, I understand.", variant="challenging")
+  assert d.emotion < 10  # -5 a turn until the user leaves
+  hint = scripted.HINTS["en"][profile.intention]
+  assert not any(hint in m["content"] for m in d.history[1:] if m["role"] == "user")
+  assert play(profile, lambda turn: fitting_reply(profile), "challenging").emotion == 100
+
+
+def test_the_demo_learns_replies_that_serve_each_intention(tmp_path):
+  """The README's main command, shortened: every intention's final emotion rises."""
+  config = demo.get_config()
+  config.workdir = str(tmp_path)
+  config.steps = TRAIN_STEPS
+  config.checkpoint.every = TRAIN_STEPS
+  config.checkpoint.export_at_end = False
+  trainer.Trainer(config).run()
+  records = metrics_lib.read_appended_jsonl(os.path.join(tmp_path, "metrics.jsonl"))
+  assert len(records) == TRAIN_STEPS
+  first, last = records[:5], records[-5:]
+  mean = lambda rows, key: float(np.mean([r[key] for r in rows]))
+  assert mean(last, "emotion/final_mean") >= mean(first, "emotion/final_mean") + 15
+  for intention in profiles.INTENTIONS:  # every one of the eight, not only the mean
+    key = f"emotion/final/{intention}"
+    assert mean(last, key) >= mean(first, key) + 8, (intention, [r[key] for r in records])
+
+
+def test_eval_with_a_baseline_prints_before_and_after(tmp_path, capsys):
+  checkpoint = str(tmp_path / "policy")
+  tiny.write_checkpoint(checkpoint, seed=0)
+  config = eval_config.get_config()
+  config.policy.checkpoint = config.eval.baseline_checkpoint = checkpoint
+  config.policy.dtype = "float32"
+  config.workdir = str(tmp_path / "eval")
+  config.eval.profiles = profiles.DEMO_PROFILES
+  config.eval.limit = 2
+  config.eval.max_new_tokens = 4
+  config.sim_user.backend = "scripted"
+  config.sim_user.language = "en"
+  after = evaluator.evaluate_with_baseline(config)
+  with open(tmp_path / "eval" / "baseline" / "summary.json") as f:
+    before = json.load(f)
+  assert before["n"] == after["n"] == 2 and before["score"] == after["score"]
+  printed = capsys.readouterr().out
+  assert f"before: {checkpoint}" in printed
+  score_line = next(line for line in printed.splitlines() if line.startswith("score (mean"))
+  assert score_line.split()[-2:] == [f"{after['score']:.1f}"] * 2
+  assert sum(line.startswith("score: ") for line in printed.splitlines()) == 2  # 2 intentions
