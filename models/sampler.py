@@ -310,7 +310,8 @@ class Sampler:
       return cache
     return KVCache(k=self._put(cache.k, KV_CACHE_AXES), v=self._put(cache.v, KV_CACHE_AXES),
                    kv_positions_bs=self._put(cache.kv_positions_bs, ("batch", "cache_seq")),
-                   length=self._put(cache.length, ()))
+                   # replicated: a scalar, or [B] per-row lengths the host reads
+                   length=self._put(cache.length, (None,) * cache.length.ndim))
 
   # Conversations.
 
