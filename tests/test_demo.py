@@ -128,7 +128,7 @@ def test_the_challenging_user_neither_hints_nor_warms_to_encouragement():
 
 
 def test_the_demo_learns_replies_that_serve_each_intention(tmp_path):
-  """The README's main command, shortened: every intention's final emotion rises."""
+  """The README's main command, shortened: success and every intention's final emotion rise."""
   config = demo.get_config()
   config.workdir = str(tmp_path)
   config.steps = TRAIN_STEPS
@@ -140,6 +140,7 @@ def test_the_demo_learns_replies_that_serve_each_intention(tmp_path):
   first, last = records[:5], records[-5:]
   mean = lambda rows, key: float(np.mean([r[key] for r in rows]))
   assert mean(last, "emotion/final_mean") >= mean(first, "emotion/final_mean") + 15
+  assert mean(last, "success_rate") > mean(first, "success_rate")
   for intention in profiles.INTENTIONS:  # every one of the eight, not only the mean
     key = f"emotion/final/{intention}"
     assert mean(last, key) >= mean(first, key) + 8, (intention, [r[key] for r in records])

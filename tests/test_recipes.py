@@ -300,7 +300,7 @@ def test_eval_reports_the_system_prompt_and_the_share_of_cut_off_turns(tmp_path,
   tokenizer = tiny.load_tokenizer()
   sampler = CutOffSampler(tokenizer.encode("<think>hm</think>I hear you."),
                           tokenizer.convert_tokens_to_ids("<|im_end|>"))
-  monkeypatch.setattr(evaluator.policy_lib, "load_policy", lambda *a, **k: policy_lib.Policy(
+  monkeypatch.setattr(policy_lib, "load_policy", lambda *a, **k: policy_lib.Policy(
       model=None, tokenizer=tokenizer, formatter=ChatFormatter(tokenizer),
       sampler=sampler))
   config = eval_config.get_config("think")
