@@ -572,6 +572,30 @@ def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt
   return _scatter_rows(cache, logits_bv, index_k, rows, row_logits_kv)
 
 
+def _decode_step(model, stop_ids, pad_id, sample, step, step_keys_r, budget_r, tokens_rn,
+                 logprobs_rn, counts_r, stopped_r, done_r, logits_rv, cache):
+  """One token for every live row of a decode loop (rows r, columns n).
+
+  Samples from `logits_rv`, records the token at column `step`, feeds it
+  through the model; a row is done at a stop token or its budget, and keeps
+  the logits after its last token.
+  """
+  token_r, logprob_r = sample(logits_rv, step_keys_r)
+  live_r = ~done_r
+  token_r = jnp.where(live_r, token_r, pad_id)
+  tokens_rn = jax.lax.dynamic_update_slice(tokens_rn, token_r[:, None], (0, step))
+  logprobs_rn = jax.lax.dynamic_update_slice(
+      logprobs_rn, jnp.where(live_r, logprob_r, 0.0)[:, None], (0, step))
+  counts_r = counts_r + live_r
+  hit_stop_r = live_r & jnp.any(token_r[:, None] == stop_ids[None, :], axis=-1)
+  stopped_r = stopped_r | hit_stop_r
+  hidden_r1d, cache = model.backbone(token_r[:, None], attention_mask=live_r[:, None],
+                                     cache=cache)
+  logits_rv = jnp.where(live_r[:, None], model.logits(hidden_r1d)[:, 0], logits_rv)
+  done_r = done_r | hit_stop_r | (counts_r >= budget_r)
+  return tokens_rn, logprobs_rn, counts_r, stopped_r, done_r, logits_rv, cache
+
+
 def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, index_k, budget_k,
                  key_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
                  greedy, top_k, use_top_p):
@@ -584,6 +608,8 @@ def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, inde
   width = index_k.shape[0]
   stop_ids = jnp.asarray(stop_token_ids, jnp.int32)
   row_keys_k = jax.vmap(jax.random.fold_in)(key_k, row_id_k)
+  sample = functools.partial(sample_logits, temperature=temperature, top_p=top_p,
+                             greedy=greedy, top_k=top_k, use_top_p=use_top_p)
   done_k = budget_k <= 0
 
   def cond(carry):
@@ -592,24 +618,10 @@ def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, inde
     return (step < steps) & ~jnp.all(done_k) & (finished < stop_after_finished)
 
   def body(carry):
-    step, tokens_kn, logprobs_kn, counts_k, stopped_k, done_k, logits_kv, rows = carry
+    step, *decoding = carry
     step_keys_k = jax.vmap(jax.random.fold_in)(row_keys_k, offset_k + step)
-    token_k, logprob_k = sample_logits(logits_kv, step_keys_k, temperature, top_p,
-                                       greedy=greedy, top_k=top_k, use_top_p=use_top_p)
-    live_k = ~done_k
-    token_k = jnp.where(live_k, token_k, pad_id)
-    tokens_kn = jax.lax.dynamic_update_slice(tokens_kn, token_k[:, None], (0, step))
-    logprobs_kn = jax.lax.dynamic_update_slice(
-        logprobs_kn, jnp.where(live_k, logprob_k, 0.0)[:, None], (0, step))
-    counts_k = counts_k + live_k
-    hit_stop_k = live_k & jnp.any(token_k[:, None] == stop_ids[None, :], axis=-1)
-    stopped_k = stopped_k | hit_stop_k
-    hidden_k1d, rows = model.backbone(token_k[:, None], attention_mask=live_k[:, None],
-                                      cache=rows)
-    # A row that is done keeps the logits after its last token.
-    logits_kv = jnp.where(live_k[:, None], model.logits(hidden_k1d)[:, 0], logits_kv)
-    done_k = done_k | hit_stop_k | (counts_k >= budget_k)
-    return (step + 1, tokens_kn, logprobs_kn, counts_k, stopped_k, done_k, logits_kv, rows)
+    return (step + 1, *_decode_step(model, stop_ids, pad_id, sample, step, step_keys_k,
+                                    budget_k, *decoding))
 
   carry = (jnp.int32(0), jnp.full((width, steps), pad_id, jnp.int32),
            jnp.zeros((width, steps), jnp.float32), jnp.zeros((width,), jnp.int32),
@@ -638,29 +650,18 @@ def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, b
   batch = logits_bv.shape[0]
   stop_ids = jnp.asarray(stop_token_ids, jnp.int32)
   row_keys_b = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, row_ids_b)
+  sample = functools.partial(sample_logits, temperature=temperature, top_p=top_p,
+                             greedy=greedy, top_k=top_k, use_top_p=use_top_p)
 
   def cond(carry):
     step, _, _, _, _, done_b, _, _ = carry
     return (step < max_new_tokens) & ~jnp.all(done_b)
 
   def body(carry):
-    step, tokens_bn, logprobs_bn, lengths_b, stopped_b, done_b, logits_bv, cache = carry
+    step, *decoding = carry
     step_keys_b = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys_b, step)
-    token_b, logprob_b = sample_logits(logits_bv, step_keys_b, temperature, top_p,
-                                       greedy=greedy, top_k=top_k, use_top_p=use_top_p)
-    live_b = ~done_b
-    token_b = jnp.where(live_b, token_b, pad_id)
-    tokens_bn = jax.lax.dynamic_update_slice(tokens_bn, token_b[:, None], (0, step))
-    logprobs_bn = jax.lax.dynamic_update_slice(
-        logprobs_bn, jnp.where(live_b, logprob_b, 0.0)[:, None], (0, step))
-    lengths_b = lengths_b + live_b
-    hit_stop_b = live_b & jnp.any(token_b[:, None] == stop_ids[None, :], axis=-1)
-    stopped_b = stopped_b | hit_stop_b
-    hidden_btd, cache = model.backbone(token_b[:, None], attention_mask=live_b[:, None],
-                                       cache=cache)
-    logits_bv = model.logits(hidden_btd)[:, 0]
-    done_b = done_b | hit_stop_b | (lengths_b >= budget_b)
-    return (step + 1, tokens_bn, logprobs_bn, lengths_b, stopped_b, done_b, logits_bv, cache)
+    return (step + 1, *_decode_step(model, stop_ids, pad_id, sample, step, step_keys_b,
+                                    budget_b, *decoding))
 
   carry = (jnp.int32(0), jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
            jnp.zeros((batch, max_new_tokens), jnp.float32), jnp.zeros((batch,), jnp.int32),
