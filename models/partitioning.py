@@ -1,4 +1,7 @@
-"""Placement on the mesh: logical axis names to mesh axes, and every device_put.
+"""Placement on the mesh: meshes, logical axis names to mesh axes, and every device_put.
+
+A mesh config names axes and sizes, e.g. `{"data": 1, "fsdp": -1, "tensor": 2}`;
+one size may be -1 for "all remaining devices" (`make_mesh`).
 
 Every weight declares logical axes (`nnx.Param(..., logical_axes=(...))`);
 `SHARDING_RULES` maps each logical name to zero or more mesh axes, for
@@ -13,13 +16,16 @@ arrays and caches (`place`) go onto the devices here and nowhere else.
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterable, Sequence
+import math
+from typing import Callable, Iterable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+DEFAULT_MESH_AXES = {"data": 1, "fsdp": -1, "tensor": 1}
 
 SHARDING_RULES: dict[str, tuple[str, ...]] = {
     # activations and caches
@@ -226,3 +232,35 @@ def constrain(x, logical_axes):
   if mesh.empty:
     return x
   return jax.lax.with_sharding_constraint(x, logical_to_spec(logical_axes, x.shape, mesh))
+
+
+def resolve_mesh_shape(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
+  """Fills the one -1 axis so the sizes multiply to `num_devices`."""
+  sizes = dict(axes)
+  unknown = [name for name, size in sizes.items() if size == -1]
+  if len(unknown) > 1:
+    raise ValueError(f"mesh {sizes}: at most one axis may be -1, got {unknown}")
+  known = math.prod(size for size in sizes.values() if size != -1)
+  if any(size == 0 or size < -1 for size in sizes.values()):
+    raise ValueError(f"mesh {sizes}: sizes must be positive or -1")
+  if unknown:
+    if num_devices % known:
+      raise ValueError(f"mesh {sizes}: {num_devices} devices do not divide by {known}")
+    sizes[unknown[0]] = num_devices // known
+  if math.prod(sizes.values()) != num_devices:
+    raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, "
+                     f"{num_devices} are available")
+  return sizes
+
+
+def make_mesh(axes: Mapping[str, int] | None = None, devices=None) -> Mesh:
+  """A mesh over `devices` (default: all). Without a -1 axis the mesh may use
+  fewer devices than there are: the first prod(sizes) of them."""
+  devices = jax.devices() if devices is None else list(devices)
+  axes = dict(axes or DEFAULT_MESH_AXES)
+  if -1 not in axes.values() and math.prod(axes.values()) < len(devices):
+    devices = devices[:math.prod(axes.values())]
+  sizes = resolve_mesh_shape(axes, len(devices))
+  # Auto axes: shardings propagate through the model as in pjit.
+  return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
+                       axis_types=(AxisType.Auto,) * len(sizes))

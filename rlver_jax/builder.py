@@ -15,14 +15,14 @@ import jax
 from absl import logging
 from jax.sharding import Mesh
 
-from models import qwen2
+from models import partitioning, qwen2
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from rl import learner as learner_lib
 from rl import rollout as rollout_lib
 from rl import system_prompts, updates
 from rl.losses import LossConfig
-from rlver_jax import multihost, sharding, simulator_factory, tiny
+from rlver_jax import multihost, simulator_factory, tiny
 from rlver_jax import policy as policy_lib
 from sim_user.simulator import SimulatedUser
 
@@ -94,7 +94,7 @@ def inference_policy(config, mesh: Mesh | None) -> policy_lib.Policy:
 def generation_policy(checkpoint: str, dtype: str, mesh_axes: dict | None,
                       stops: Sequence[str], require_chat_template: bool) -> policy_lib.Policy:
   """A checkpoint for the generate CLI, on a mesh of `mesh_axes` (None: one device)."""
-  mesh = sharding.make_mesh(mesh_axes) if mesh_axes else None
+  mesh = partitioning.make_mesh(mesh_axes) if mesh_axes else None
   return policy_lib.load_policy(checkpoint, dtype=dtype, mesh=mesh, stops=stops,
                                 require_chat_template=require_chat_template)
 

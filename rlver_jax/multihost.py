@@ -221,7 +221,7 @@ def block(num_items: int, index: int, count: int) -> range:
 
 def local_mesh(mesh_axes) -> Mesh:
   """`mesh_axes` resolved over this host's devices (all devices with one process)."""
-  return sharding.make_mesh(mesh_axes, jax.local_devices())
+  return partitioning.make_mesh(mesh_axes, jax.local_devices())
 
 
 def share_of(num_items: int) -> range:
@@ -274,7 +274,7 @@ class Hosts:
     if self.count == 1:
       self.local_mesh = train_mesh
       return
-    per_host = [sharding.make_mesh(mesh_axes, [d for d in jax.devices() if d.process_index == p])
+    per_host = [partitioning.make_mesh(mesh_axes, [d for d in jax.devices() if d.process_index == p])
                 for p in range(self.count)]
     self.local_mesh = per_host[self.index]
     # All devices, one slice per host laid out as that host's local mesh: a sharding

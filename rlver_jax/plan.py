@@ -56,7 +56,6 @@ from models.errors import UserInputError  # noqa: E402
 from rl import forward, learner, updates  # noqa: E402
 from rl.batch import TrainBatch  # noqa: E402
 from rl.losses import LossConfig  # noqa: E402
-from rlver_jax import sharding  # noqa: E402
 from rlver_jax.generate import parse_mesh  # noqa: E402
 
 GIB = 2 ** 30
@@ -185,7 +184,7 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
   (default `seq_len`) and `prefill_len` its longest prefill chunk (default
   `cache_len // 2`).
   """
-  mesh = sharding.make_mesh(mesh_axes)
+  mesh = partitioning.make_mesh(mesh_axes)
   dtype, param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
   remat = qwen2.remat_policy_name(remat)
   cache_len = cache_len or seq_len

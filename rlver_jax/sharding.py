@@ -1,23 +1,16 @@
-"""Meshes and multi-host start-up.
+"""Multi-host start-up: joining the process group of a pod slice, SLURM or a launch by hand.
 
-A mesh config names axes and sizes, e.g. `{"data": 1, "fsdp": -1, "tensor": 2}`;
-one size may be -1 for "all remaining devices". What goes where on a mesh is
-`models.partitioning`'s job.
+Meshes and what goes where on them are `models.partitioning`'s job.
 """
 
 from __future__ import annotations
 
-import math
 import os
-from typing import Mapping
 
 import jax
 from absl import logging
-from jax.sharding import AxisType, Mesh
 
 from models.errors import UserInputError
-
-DEFAULT_MESH_AXES = {"data": 1, "fsdp": -1, "tensor": 1}
 
 
 def maybe_initialize_distributed(force: bool = False) -> bool:
@@ -73,35 +66,3 @@ def _positive_int_env(name: str, default: int) -> int:
   if not value.isdigit() or int(value) < 1:
     raise UserInputError(f"{name}={value!r}: expected a positive number of seconds")
   return int(value)
-
-
-def resolve_mesh_shape(axes: Mapping[str, int], num_devices: int) -> dict[str, int]:
-  """Fills the one -1 axis so the sizes multiply to `num_devices`."""
-  sizes = dict(axes)
-  unknown = [name for name, size in sizes.items() if size == -1]
-  if len(unknown) > 1:
-    raise ValueError(f"mesh {sizes}: at most one axis may be -1, got {unknown}")
-  known = math.prod(size for size in sizes.values() if size != -1)
-  if any(size == 0 or size < -1 for size in sizes.values()):
-    raise ValueError(f"mesh {sizes}: sizes must be positive or -1")
-  if unknown:
-    if num_devices % known:
-      raise ValueError(f"mesh {sizes}: {num_devices} devices do not divide by {known}")
-    sizes[unknown[0]] = num_devices // known
-  if math.prod(sizes.values()) != num_devices:
-    raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, "
-                     f"{num_devices} are available")
-  return sizes
-
-
-def make_mesh(axes: Mapping[str, int] | None = None, devices=None) -> Mesh:
-  """A mesh over `devices` (default: all). Without a -1 axis the mesh may use
-  fewer devices than there are: the first prod(sizes) of them."""
-  devices = jax.devices() if devices is None else list(devices)
-  axes = dict(axes or DEFAULT_MESH_AXES)
-  if -1 not in axes.values() and math.prod(axes.values()) < len(devices):
-    devices = devices[:math.prod(axes.values())]
-  sizes = resolve_mesh_shape(axes, len(devices))
-  # Auto axes: shardings propagate through the model as in pjit.
-  return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
-                       axis_types=(AxisType.Auto,) * len(sizes))

@@ -26,7 +26,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from tqdm import tqdm
 
-from models import qwen2
+from models import partitioning, qwen2
 from models.errors import RunStopped
 from rl import advantages as advantages_lib
 from rl import batch as batch_lib
@@ -129,7 +129,7 @@ class Trainer:
     run_config.check_and_save(config, config.workdir,
                               resuming=self.checkpoints.latest_step() is not None)
     sharding.maybe_initialize_distributed()
-    mesh = sharding.make_mesh(dict(config.mesh))
+    mesh = partitioning.make_mesh(dict(config.mesh))
     self.hosts = multihost.Hosts(mesh, dict(config.mesh))
     self.loss_cfg = builder.loss_config(config)
     self.rollout_cfg = builder.train_rollout_config(config)

@@ -159,12 +159,11 @@ def test_splash_wrapper_equals_einsum_in_pallas_interpret_mode(side, axes):
   """Our masks, GQA layout, scaling and shard_map around the splash kernel, run by the
   Pallas interpreter on CPU (the compiled kernel itself needs a TPU: next test)."""
   from models import partitioning
-  from rlver_jax import sharding
   q, kk, v = _inputs(2, 256, 256, 4, 2, h=128, seed=5)
   q_pos, kv_pos = _padded_positions([256, 100], 256, side)
   real_bt = np.asarray(kv_pos) >= 0  # padding queries see padding here, nothing there
   weights = jnp.asarray(real_bt[..., None, None], jnp.float32)
-  mesh = None if axes is None else sharding.make_mesh(axes)
+  mesh = None if axes is None else partitioning.make_mesh(axes)
 
   def loss(fn, q, k, v):
     return jnp.sum(fn(q, k, v) * weights)

@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import qwen2
+from models import partitioning, qwen2
 from models.sampler import Sampler, SamplingParams, row_bucket_sizes
 from rl import rollout as rollout_lib
 from rlver_jax import policy as policy_lib
-from rlver_jax import sharding
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError
@@ -116,7 +115,7 @@ def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
 
 
 def test_bf16_sampling_weights_refresh_without_recompiling(model):
-  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  mesh = partitioning.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sampler = Sampler(model, stop_token_ids=[STOP], sampling_dtype=jnp.bfloat16, mesh=mesh)
   weights = jax.tree.leaves(sampler.state)
   assert all(x.dtype == jnp.bfloat16 for x in weights)

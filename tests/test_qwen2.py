@@ -246,7 +246,6 @@ def test_compile_time_does_not_grow_with_depth():
 
 def test_sharded_load_reads_each_tensor_once_into_stacked_layers(untied_checkpoint, monkeypatch):
   from models import partitioning, safetensors_io
-  from rlver_jax import sharding
   path, hf = untied_checkpoint
   reads = collections.Counter()
   original = safetensors_io.SafetensorsFile.read
@@ -256,7 +255,7 @@ def test_sharded_load_reads_each_tensor_once_into_stacked_layers(untied_checkpoi
     return original(self, name)
 
   monkeypatch.setattr(safetensors_io.SafetensorsFile, "read", counting_read)
-  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  mesh = partitioning.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
   model = qwen2.from_pretrained(path, mesh=mesh)
   assert reads and set(reads.values()) == {1}  # 8 devices, yet one read per HF tensor
   up = model.backbone.layers.mlp.up_proj.get_value()  # [L=2, D=64, F] over fsdp and tensor

@@ -25,7 +25,7 @@ import pytest
 
 from configs import eval as eval_config
 from configs import grpo, ppo
-from models import qwen2
+from models import partitioning, qwen2
 from models.chat import ChatFormatter
 from models.errors import UserInputError
 from models.sampler import LENGTH, STOP, Completions, DecodeStats
@@ -37,7 +37,7 @@ from rlver_jax import config_checks
 from rlver_jax import eval as evaluator
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
-from rlver_jax import retention, sharding, tiny, trainer
+from rlver_jax import retention, tiny, trainer
 from sim_user import profiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -226,7 +226,7 @@ def test_shipped_numbers():
 
 def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(checkpoint):
   """Found running the recipes: Adam's state sat on one device and step 2 recompiled."""
-  mesh = sharding.make_mesh(dict(ppo.get_config().mesh))  # fsdp over all 8 devices
+  mesh = partitioning.make_mesh(dict(ppo.get_config().mesh))  # fsdp over all 8 devices
   model = qwen2.from_pretrained(checkpoint, dtype="bfloat16", param_dtype="float32", mesh=mesh,
                                 remat=True)
   learner = learner_lib.Learner(model, learner_lib.make_optimizer(learner_lib.OptimConfig()),

@@ -6,9 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from models import qwen2
+from models import partitioning, qwen2
 from models.sampler import LENGTH, STOP, Sampler, SamplingParams, sample_logits
-from rlver_jax import sharding
 from tests.hf_fixtures import make_hf_qwen2
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40, 41, 42, 43, 44, 45, 46, 47, 48]]
@@ -168,7 +167,7 @@ def test_top_k_and_top_p_stay_inside_their_sets(top_k, top_p):
 
 def test_sharded_sampler_matches_unsharded(checkpoint):
   path, _, model = checkpoint
-  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  mesh = partitioning.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded = Sampler(qwen2.from_pretrained(path, mesh=mesh), stop_token_ids=[2], mesh=mesh)
   convs = sharded.start(len(PROMPTS))
   assert convs.cache.k.sharding.spec[1] is not None  # rows sharded over data axes

@@ -44,12 +44,12 @@ def test_eight_fake_devices():
 
 
 def test_mesh_fills_the_minus_one_axis():
-  assert sharding.resolve_mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == {
+  assert partitioning.resolve_mesh_shape({"data": 2, "fsdp": -1, "tensor": 2}, 8) == {
       "data": 2, "fsdp": 2, "tensor": 2}
-  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  mesh = partitioning.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
   assert dict(mesh.shape) == {"data": 1, "fsdp": 4, "tensor": 2}
   # Without -1 a mesh may take fewer devices than there are.
-  assert sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}).devices.size == 2
+  assert partitioning.make_mesh({"data": 1, "fsdp": 2, "tensor": 1}).devices.size == 2
 
 
 @pytest.mark.parametrize("axes,message", [
@@ -60,11 +60,11 @@ def test_mesh_fills_the_minus_one_axis():
 ])
 def test_mesh_errors(axes, message):
   with pytest.raises(ValueError, match=message):
-    sharding.resolve_mesh_shape(axes, 8)
+    partitioning.resolve_mesh_shape(axes, 8)
 
 
 def test_logical_rules_are_shape_aware():
-  mesh = sharding.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
+  mesh = partitioning.make_mesh({"data": 1, "fsdp": 2, "tensor": 4})
   # 2 kv heads do not split over tensor=4: replicated on that dim.
   assert partitioning.logical_to_spec(("embed", "kv_heads", "head_dim"), (64, 2, 16), mesh) == P(
       "fsdp", None, None)
@@ -88,7 +88,7 @@ def checkpoint(tmp_path_factory):
 @pytest.mark.parametrize("axes", [{"data": 1, "fsdp": 4, "tensor": 2},
                                   {"data": 2, "fsdp": 2, "tensor": 2}])
 def test_sharded_forward_equals_unsharded(checkpoint, axes):
-  mesh = sharding.make_mesh(axes)
+  mesh = partitioning.make_mesh(axes)
   reference = qwen2.from_pretrained(checkpoint)
   sharded = qwen2.from_pretrained(checkpoint, mesh=mesh)
 
@@ -107,7 +107,7 @@ def test_sharded_forward_equals_unsharded(checkpoint, axes):
 
 
 def test_place_state_places_a_loaded_model(checkpoint):
-  mesh = sharding.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  mesh = partitioning.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
   model = qwen2.from_pretrained(checkpoint)
   graphdef, state = nnx.split(model)
   placed = nnx.merge(graphdef, partitioning.place_state(state, mesh))
@@ -125,7 +125,7 @@ def test_distributed_is_not_initialised_on_one_host(monkeypatch):
 
 
 def test_activation_constraints_apply_only_under_a_mesh_context():
-  mesh = sharding.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  mesh = partitioning.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   double = jax.jit(lambda x: partitioning.constrain(x * 2, ("batch", None, "vocab")))
   x = jnp.ones((4, 3, 8))
   with partitioning.mesh_context(mesh):
