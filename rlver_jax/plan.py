@@ -158,7 +158,8 @@ def _sampler_programs(model: _Model, config, mesh, batch, cache_len, prefill_len
   key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
   out["sampler_decode"] = _compile(
       decode, (model.params, cache, rows((batch, config.vocab_size), jnp.float32),
-               rows((batch,), jnp.bool_), key, rows((batch,), jnp.int32), scalar, scalar), mesh,
+               rows((batch,), jnp.bool_), rows((batch,), jnp.int32), key,
+               rows((batch,), jnp.int32), scalar, scalar), mesh,
       model.params)
   return out
 
