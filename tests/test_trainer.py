@@ -82,7 +82,7 @@ def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, capl
 
 
 def test_grpo_and_thinking_modes_run(tmp_path):
-  config = small_demo(tmp_path / "grpo", **{"rl.algorithm": "grpo",
+  config = small_demo(tmp_path / "grpo", **{"rl.algorithm": "grpo", "rl.reward": "final",
                                             "rollout.samples_per_profile": 2})
   config.steps = 2
   trainer.Trainer(config).run()
