@@ -122,6 +122,11 @@ class Learner:
         (loss, metrics), micro_grads = self._gradients(
             self.params, partitioning.place_batch(micro, self.mesh), norm)
         grads = micro_grads if grads is None else self._accumulate(grads, micro_grads)
+        if jax.default_backend() == "cpu":
+          # XLA:CPU runs each fake device's share of a collective on a shared thread pool;
+          # with several sharded programs in flight on few cores they can deadlock (seen in
+          # tests/test_recipes.py on 2 cores), so CPU runs one micro-batch at a time.
+          jax.block_until_ready(grads)
         parts.append({**metrics, "loss": loss})
       metrics = jax.tree.map(lambda *values: sum(values), *parts)
       self.params, self.opt_state, grad_norm, finite = self._apply_gradients(
