@@ -11,7 +11,8 @@ def mesh_config() -> ml_collections.ConfigDict:
 def policy_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   c.checkpoint = ""  # an HF Qwen2 directory
-  c.tiny_init = False  # demo only: write and use a tiny random checkpoint
+  c.tiny_init = False  # demo only: write and use a tiny checkpoint
+  c.tiny_warmup_steps = 0  # with tiny_init: supervised steps on rlver_jax/assets/tiny_warmup.json
   c.dtype = "bfloat16"  # compute dtype
   c.param_dtype = "float32"
   c.remat = True

@@ -1,28 +1,35 @@
-"""The embedded default: a tiny random-init Qwen2 learns to comfort a scripted user, on CPU.
+"""The embedded default: a tiny Qwen2 learns whom to offer which support, on CPU.
 
   python -m rlver_jax.main                      # this config
   python -m rlver_jax.main --config=configs/demo.py --config.steps=20 --config.workdir=/tmp/d
+  python -m rlver_jax.main --config=configs/demo.py:challenging   # a user that never hints
 
 The policy is a 2-layer, 64-wide Qwen2 with the small tokenizer we ship,
-written to W/init_policy on the first run and then loaded like any HF
-checkpoint. The simulated user is the scripted (rule-based) one on our eight
-English demo profiles with RLVER's training rules. The whole run takes a
-few minutes on two CPU cores; watch W/reward_curve.png.
+warmed up into a tiny "instruct model" that offers every kind of support to
+anyone (`policy.tiny_warmup_steps`), written to W/init_policy on the first
+run and then loaded like any HF checkpoint. The simulated user is the
+scripted (rule-based) one on our eight English demo profiles with RLVER's
+training rules. The whole run takes a few minutes on two CPU cores; watch
+W/reward_curve.png and W/replies_by_intention.md.
 """
 
 from configs import ppo
 from sim_user import profiles
 
-VARIANTS = ppo.VARIANTS
+VARIANTS = ppo.VARIANTS + ("challenging",)
 
 
 def get_config(arg: str = ""):
-  c = ppo.base_config(arg)
+  if arg not in VARIANTS:
+    raise ValueError(f"unknown config variant {arg!r}; use one of {VARIANTS}")
+  c = ppo.base_config("think" if arg == "think" else "")
   c.workdir = "/tmp/rlver_demo"
   c.steps = 60
   c.batch_size = 16
 
   c.policy.tiny_init = True
+  # A tiny "instruct model": it speaks every kind of support, to anyone (rlver_jax/tiny.py).
+  c.policy.tiny_warmup_steps = 300
   c.policy.dtype = "float32"
   c.policy.remat = False
 
@@ -30,19 +37,24 @@ def get_config(arg: str = ""):
   c.sim_user.backend = "scripted"
   c.sim_user.language = "en"
   c.sim_user.rules = "rlver_train"
+  # The paper's challenging simulator: no hints, and no warmth for encouragement.
+  c.sim_user.variant = "challenging" if arg == "challenging" else "vanilla"
 
-  # Short replies: a fitting one needs only a key word and one more word (sim_user/backends/
-  # scripted.py), and the fewer tokens a reply has, the smaller the space the policy searches.
-  c.rollout.max_new_tokens = 8
+  # Short replies, as the warm-up taught (at most 10 tokens and the end of turn).
+  c.rollout.max_new_tokens = 12
   c.rollout.max_dialogue_tokens = 400
   if not c.rollout.thinking:  # the demo's own prompt; :think keeps the "rlver" preset
     c.rollout.system_prompt = "You are a caring listener."
 
-  c.optim.actor_lr = 1e-2
-  c.optim.critic_lr = 1e-2
+  c.optim.actor_lr = 2e-3
+  c.optim.critic_lr = 2e-3
   c.optim.ppo_epochs = 2
+  c.optim.num_minibatches = 2
   c.optim.warmup_steps = 2
-  c.rl.entropy_coef = 0.01  # keeps sampling the words it has not yet tried
+  # Near the warmed-up policy: its language, and every kind of support still tried where no
+  # kind has paid off yet (without it, such a person gets one wrong kind for good).
+  c.rl.kl_coef = 0.05
+  c.rl.entropy_coef = 0.0
   c.rl.lam = 0.95  # a reply's advantage weighs the values of the turns just after it most
   c.rl.reward = "turn"  # each reply's own emotion change: which reply served the intention
 

@@ -100,11 +100,19 @@ def generation_policy(checkpoint: str, dtype: str, mesh_axes: dict | None,
 
 
 def resolve_policy_checkpoint(config) -> str:
-  """`policy.checkpoint`, or with `policy.tiny_init` the tiny random one (written once)."""
+  """`policy.checkpoint`, or with `policy.tiny_init` the tiny one (written once).
+
+  The tiny one is warmed up (`policy.tiny_warmup_steps`) with the run's own
+  system prompt.
+  """
   if config.policy.tiny_init:
     path = os.path.join(config.workdir, "init_policy")
     if jax.process_index() == 0 and not os.path.exists(os.path.join(path, "config.json")):
-      tiny.write_checkpoint(path, seed=config.seed)
+      system_prompt = system_prompts.resolve(config.rollout.system_prompt,
+                                             language=config.sim_user.language,
+                                             thinking=config.rollout.thinking)
+      tiny.write_checkpoint(path, seed=config.seed, warmup_steps=config.policy.tiny_warmup_steps,
+                            system_prompt=system_prompt)
     multihost.barrier("tiny init policy written")  # the other hosts read process 0's files
     return path
   return config.policy.checkpoint

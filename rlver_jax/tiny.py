@@ -1,8 +1,9 @@
-"""Tiny random Qwen2 checkpoints with the small tokenizer we ship.
+"""Tiny Qwen2 checkpoints with the small tokenizer we ship.
 
 The demo config, the README's first command and the tests run on these: an
 HF checkpoint directory like any real one (config.json, safetensors,
-tokenizer with a ChatML chat template), just small and random.
+tokenizer with a ChatML chat template), just small: random, or, with
+`warmup_steps`, a tiny "instruct model" (`warm_up`).
 
   python -m rlver_jax.tiny --out=/tmp/tiny_qwen2            # write a checkpoint
   python -m rlver_jax.tiny --build_tokenizer                # rebuild the shipped tokenizer
@@ -10,16 +11,24 @@ tokenizer with a ChatML chat template), just small and random.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import time
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
 from absl import app, flags, logging
+from flax import nnx
 
-from models import qwen2
+from models import chat, qwen2
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 TOKENIZER_DIR = os.path.join(ASSETS, "tiny_tokenizer")
 CORPUS = os.path.join(ASSETS, "tiny_corpus.txt")
+WARMUP = os.path.join(ASSETS, "tiny_warmup.json")
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
 
 # ChatML, as Qwen2.5 uses it (without Qwen's default system prompt and tools).
@@ -65,13 +74,96 @@ def load_tokenizer():
   return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
-def write_checkpoint(out_dir: str, *, seed: int = 0, **config_overrides) -> qwen2.Qwen2Config:
-  """A random-init Qwen2 sized for the shipped tokenizer, saved with it in HF layout."""
+def warmup_dialogues(tokenizer, system_prompt: str, count: int, seed: int,
+                     max_rounds: int = 3) -> tuple[np.ndarray, np.ndarray]:
+  """`count` chats of everyday user lines and supportive replies, as tokens and a loss mask.
+
+  Returns `tokens_bt` (right-padded with the pad id) and `reply_mask_bt`, True
+  on every reply token and its end-of-turn token. Each reply's kind of
+  support (`tiny_warmup.json`: one kind per hidden intention of the demo's
+  user, plus general encouragement) is drawn uniformly and independently of
+  the user's line, which names no need: the warmed-up policy speaks every
+  kind of support equally and knows nothing of who needs which.
+  """
+  with open(WARMUP) as f:
+    corpus = json.load(f)
+  kinds = sorted(corpus["replies"])
+  formatter = chat.ChatFormatter(tokenizer)
+  end_of_turn = tokenizer.convert_tokens_to_ids(formatter.end_of_turn)
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(count):
+    messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+    tokens, mask = [], []
+    for _ in range(rng.integers(1, max_rounds + 1)):
+      messages.append({"role": "user", "content": str(rng.choice(corpus["user_lines"]))})
+      # The dialogue so far renders as a prefix: only its new part is added.
+      prompt = formatter.prompt_ids(messages)[len(tokens):]
+      reply = str(rng.choice(corpus["replies"][kinds[rng.integers(len(kinds))]]))
+      reply_ids = formatter.encode(reply) + [end_of_turn]
+      tokens += prompt + reply_ids
+      mask += [False] * len(prompt) + [True] * len(reply_ids)
+      messages.append({"role": "assistant", "content": reply})
+    rows.append((tokens, mask))
+  width = max(len(t) for t, _ in rows)
+  tokens_bt = np.full((count, width), tokenizer.pad_token_id, np.int32)
+  reply_mask_bt = np.zeros((count, width), bool)
+  for i, (tokens, mask) in enumerate(rows):
+    tokens_bt[i, :len(tokens)] = tokens
+    reply_mask_bt[i, :len(mask)] = mask
+  return tokens_bt, reply_mask_bt
+
+
+def warm_up(model: qwen2.Qwen2, tokenizer, *, steps: int, system_prompt: str = "", seed: int = 0,
+            batch_size: int = 32, learning_rate: float = 3e-3) -> float:
+  """Fine-tunes `model` in place on `warmup_dialogues`; returns the last batch's loss.
+
+  A random-init model emits garbled subwords, and an RL run from there spends
+  its first steps learning to speak. RLVER starts from an instruct model that
+  already offers every kind of support; this gives the tiny demo policy that
+  start, so its RL run is about whom to offer which kind.
+  """
+  tokens_nt, mask_nt = warmup_dialogues(tokenizer, system_prompt, steps * batch_size, seed)
+  graphdef, params = nnx.split(model)
+  tx = optax.adam(learning_rate)
+
+  @jax.jit
+  def step(params, opt_state, tokens_bt, mask_bt):
+    def loss_fn(params):
+      hidden_btd, _ = nnx.merge(graphdef, params).backbone(tokens_bt[:, :-1])
+      logits_btv = nnx.merge(graphdef, params).logits(hidden_btd)
+      nll_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, tokens_bt[:, 1:])
+      return jnp.sum(nll_bt * mask_bt[:, 1:]) / jnp.sum(mask_bt[:, 1:])
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  opt_state = tx.init(params)
+  start = time.perf_counter()
+  for i in range(steps):
+    rows = slice(i * batch_size, (i + 1) * batch_size)
+    params, opt_state, loss = step(params, opt_state, tokens_nt[rows], mask_nt[rows])
+  loss = float(loss)
+  logging.info("warm-up: %d steps of %d chats in %.1f s, reply loss %.3f", steps, batch_size,
+               time.perf_counter() - start, loss)
+  nnx.update(model, params)
+  return loss
+
+
+def write_checkpoint(out_dir: str, *, seed: int = 0, warmup_steps: int = 0,
+                     system_prompt: str = "", **config_overrides) -> qwen2.Qwen2Config:
+  """A tiny Qwen2 sized for the shipped tokenizer, saved with it in HF layout.
+
+  Random-init, then `warmup_steps` of `warm_up` (with `system_prompt`, the
+  one its RL run will use).
+  """
   tokenizer = load_tokenizer()
   vocab = -(-len(tokenizer) // 64) * 64  # padded like real checkpoints' embeddings
   config = tiny_config(vocab, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
                        **config_overrides)
   model = qwen2.init_random(config, seed=seed)
+  if warmup_steps:
+    warm_up(model, tokenizer, steps=warmup_steps, system_prompt=system_prompt, seed=seed)
   qwen2.save_pretrained(model, out_dir)
   for name in os.listdir(TOKENIZER_DIR):
     shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(out_dir, name))

@@ -4,13 +4,16 @@ demo policy learns them."""
 import json
 import os
 
+import jax
 import numpy as np
 import pytest
 
 from configs import demo
 from configs import eval as eval_config
 from rlver_jax import eval as evaluator
+from models.sampler import SamplingParams
 from rlver_jax import metrics as metrics_lib
+from rlver_jax import policy as policy_lib
 from rlver_jax import tiny, trainer
 from sim_user import dynamics, profiles, templates
 from sim_user.backends import scripted
@@ -19,6 +22,7 @@ from sim_user.simulator import SimulatedUser
 
 DEMO = profiles.load_profiles(profiles.DEMO_PROFILES)
 TRAIN_STEPS = 40  # of the demo's 60
+WARMUP_STEPS = 150  # of the demo's 300: enough to speak, not to speak as well
 
 
 def user_for(variant="vanilla"):
@@ -66,7 +70,8 @@ def test_the_user_hints_at_its_need_in_its_opening_and_every_reply_with_its_own_
     verdict = judge(hint, profile.intention, "vanilla")
     assert len(verdict.fits) >= 3 and not verdict.other_needs and verdict.natural, (profile.id,
                                                                                      hint)
-    d = play(profile, lambda turn: "Okay, I see.")
+    first = KEY_WORDS[profile.intention][0]  # +10 and -5 by turns: the user stays in between
+    d = play(profile, lambda turn: f"I {first} you." if turn % 2 else "Okay, I see.")
     user_lines = [m["content"] for m in d.history if m["role"] == "user"]
     assert len(user_lines) == 10  # the opening and nine replies
     assert all(hint in line for line in user_lines), profile.id
@@ -80,14 +85,14 @@ def test_fit_encouragement_off_topic_miss_and_non_language_in_that_order():
   off_topic = judge("Okay, I see.", intention, "vanilla").change
   another_need = judge("Why is that?", intention, "vanilla")
   miss = judge("You should get some advice.", intention, "vanilla").change  # its miss phrases
-  unfocused = judge("Why not try a step?", intention, "vanilla")  # two other needs' words
+  two_needs = judge("Why not try a step?", intention, "vanilla")  # two other needs' words
   garbled = judge("ingthe xqzt listen", intention, "vanilla").change
-  assert (fit, encourage, again, off_topic, another_need.change, miss, unfocused.change,
-          garbled) == (20, 5, 0, 0, 0, -10, -10, -10)
+  assert (fit, encourage, again, off_topic, another_need.change, miss, two_needs.change,
+          garbled) == (20, 5, -5, -5, -5, -10, -10, -10)
   assert another_need.other_needs == ["understand_others"]
-  assert unfocused.other_needs == ["get_advice", "understand_others"]
+  assert two_needs.other_needs == ["get_advice", "understand_others"]
   assert judge("I am listening.", intention, "vanilla").change == 10  # one fitting phrase
-  assert judge("I hear you. Why?", intention, "vanilla").change == 20  # one other need: no harm
+  assert judge("I hear you. Why?", intention, "vanilla").change == 15  # another need: -5
 
 
 def test_the_reward_hack_scores_low_and_only_fitting_replies_succeed():
@@ -96,22 +101,24 @@ def test_the_reward_hack_scores_low_and_only_fitting_replies_succeed():
   for profile in DEMO:
     for hack in hacks:
       assert play(profile, lambda turn: hack).emotion <= 35, (profile.id, hack)
-    # Every intention's words at once: unfocused.
+    # Every intention's words at once serve no one.
     everything = " ".join(words[0] for words in KEY_WORDS.values())
     assert play(profile, lambda turn: everything).end_reason == dynamics.FAILURE
     d = play(profile, lambda turn: fitting_reply(profile))
     assert d.emotions == [30, 50, 70, 90, 100] and d.end_reason == dynamics.GOODBYE, profile.id
-    # Another intention's fitting reply does not help.
+    # Another intention's fitting reply lets this user down, turn after turn.
     other = next(p for p in DEMO if p.intention != profile.intention)
-    assert play(profile, lambda turn: fitting_reply(other)).emotion == 30
+    d = play(profile, lambda turn: fitting_reply(other))
+    assert d.emotions == [30, 25, 20, 15, 10, 5] and d.end_reason == dynamics.GOODBYE  # it leaves
 
 
 def test_success_needs_the_intention_served_turn_after_turn():
   profile = DEMO[0]
   fit = fitting_reply(profile)
-  # Three fully fitting turns, encouragement and neutral replies in between: not enough.
+  # Three fully fitting turns, encouragement (+5 once, then off topic) in between: not enough.
   d = play(profile, lambda turn: fit if turn in (2, 4, 6) else "I am sorry, I understand.")
-  assert d.emotion == 95 and d.end_reason == dynamics.MAX_TURNS
+  assert d.emotions == [30, 35, 30, 50, 45, 65, 60, 80, 75, 70]
+  assert d.end_reason == dynamics.MAX_TURNS
   # One fitting phrase a turn gets there too, in seven turns.
   first = KEY_WORDS[profile.intention][0]
   d = play(profile, lambda turn: f"I {first} you.")
@@ -167,3 +174,55 @@ def test_eval_with_a_baseline_prints_before_and_after(tmp_path, capsys):
   score_line = next(line for line in printed.splitlines() if line.startswith("score (mean"))
   assert score_line.split()[-2:] == [f"{after['score']:.1f}"] * 2
   assert sum(line.startswith("score: ") for line in printed.splitlines()) == 2  # 2 intentions
+
+
+def warmup_corpus():
+  with open(tiny.WARMUP) as f:
+    return json.load(f)
+
+
+def test_the_warmup_corpus_offers_every_kind_of_support_and_tells_no_need():
+  """Each reply serves its own intention fully and lets every other down; user lines hint at
+  nothing; every reply fits the demo's reply length with its end-of-turn token."""
+  corpus, tokenizer = warmup_corpus(), tiny.load_tokenizer()
+  assert set(corpus["replies"]) == set(profiles.INTENTIONS) | {"encouragement"}
+  for kind, replies in corpus["replies"].items():
+    for reply in replies:
+      assert len(tokenizer.encode(reply)) < demo.get_config().rollout.max_new_tokens, reply
+      for intention in profiles.INTENTIONS:
+        change = judge(reply, intention, "vanilla").change
+        expected = 5 if kind == "encouragement" else 20 if kind == intention else -5
+        assert change == expected if expected > 0 else change <= expected, (reply, intention)
+  for line in corpus["user_lines"]:
+    for intention in profiles.INTENTIONS:
+      verdict = judge(line, intention, "vanilla")
+      assert not (verdict.fits or verdict.other_needs or verdict.misses), (line, intention)
+
+
+def test_warmup_dialogues_train_on_the_replies_and_their_end_of_turn_only():
+  tokenizer = tiny.load_tokenizer()
+  tokens_bt, reply_mask_bt = tiny.warmup_dialogues(tokenizer, "Be kind.", count=6, seed=0)
+  replies = {r for rs in warmup_corpus()["replies"].values() for r in rs}
+  for tokens, mask in zip(tokens_bt, reply_mask_bt):
+    text = tokenizer.decode(tokens[mask])
+    said = text.split("<|im_end|>")
+    assert said[-1] == "" and set(said[:-1]) <= replies, text
+    assert tokenizer.decode(tokens[~mask]).startswith("<|im_start|>system\nBe kind.<|im_end|>")
+
+
+def test_the_warmed_up_policy_speaks_every_kind_of_support_to_anyone(tmp_path):
+  """RLVER starts from an instruct model: the demo's starts from one that writes sentences,
+  of every kind, whoever it talks to (the RL run then learns whom to give which)."""
+  checkpoint = str(tmp_path / "policy")
+  tiny.write_checkpoint(checkpoint, seed=0, warmup_steps=WARMUP_STEPS,
+                        system_prompt=demo.get_config().rollout.system_prompt)
+  policy = policy_lib.load_policy(checkpoint)
+  prompts = [policy.formatter.prompt_ids([{"role": "system", "content": "You are a caring listener."},
+                                   {"role": "user", "content": p.first_talk}])
+             for p in DEMO for _ in range(8)]
+  texts = policy.sampler.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0),
+                           key=jax.random.key(0)).texts(policy.tokenizer, skip_special_tokens=True)
+  assert np.mean([is_natural_language(t) for t in texts]) >= 0.9, texts
+  served = {intention for t in texts for intention in profiles.INTENTIONS
+            if judge(t, intention, "vanilla").change == 20}
+  assert len(served) >= 6, texts

@@ -7,10 +7,10 @@ config added later without a runner fails `test_every_shipped_recipe_has_a_runne
 
 A runner keeps the recipe's settings (remat, dtypes, algorithm, rules, mesh
 axes, simulator backend and retries) and changes only the fields in
-SIZE_FIELDS: a tiny checkpoint and profile file, batch, tokens, steps, and the
-simulator's address (the local fake OpenAI-compatible server, which fails every
-prompt twice, with a 500 and a malformed answer, before it answers) and its
-first back-off delay.
+SIZE_FIELDS: a tiny checkpoint and profile file, batch, tokens, steps (also the
+tiny policy's warm-up steps), and the simulator's address (the local fake
+OpenAI-compatible server, which fails every prompt twice, with a 500 and a
+malformed answer, before it answers) and its first back-off delay.
 """
 
 import importlib
@@ -50,7 +50,7 @@ SIZE_FIELDS = {
     "workdir", "steps", "batch_size", "policy.checkpoint", "data.train_profiles",
     "rollout.max_new_tokens", "rollout.max_dialogue_tokens", "eval.profiles", "eval.batch_size",
     "eval.max_new_tokens", "retention.data", "retention.max_new_tokens", "sim_user.base_url",
-    "sim_user.backoff_s",
+    "sim_user.backoff_s", "policy.tiny_warmup_steps",
 }
 
 
@@ -102,7 +102,9 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
   server = serve(FAULTS) if config.sim_user.backend == "openai" else None
   sizes = dict(workdir=str(tmp_path / "run"), steps=2, batch_size=2,
                rollout__max_new_tokens=8, rollout__max_dialogue_tokens=24)
-  if not config.policy.tiny_init:
+  if config.policy.tiny_init:
+    sizes["policy__tiny_warmup_steps"] = min(config.policy.tiny_warmup_steps, 2)
+  else:
     sizes["policy__checkpoint"] = checkpoint
   if not config.data.train_profiles:
     sizes["data__train_profiles"] = profile_file
@@ -174,6 +176,7 @@ def run_retention(config, tmp_path, checkpoint, profile_file, serve):
 RUNNERS = {
     ("demo", ""): run_training,
     ("demo", "think"): run_training,
+    ("demo", "challenging"): run_training,
     ("ppo", ""): run_training,
     ("ppo", "think"): run_training,
     ("grpo", ""): run_training,

@@ -7,17 +7,17 @@ more fitting and missing phrases (`LEXICON`). A judged reply changes the
 emotion by:
 
   not natural language (`is_natural_language`)              -10
-  key words of two or more other intentions (unfocused)     -10
-  +10 per distinct fitting phrase (at most two), -5 per missing one, at least -20
-  neither fits nor misses (off topic, or serving one other need):
-    vanilla: +5 for general encouragement the first time it is offered, else 0
-    challenging: -5
+  +10 per distinct fitting phrase (at most two), -5 per missing phrase and
+  per other intention whose key words or fitting phrases it uses, at least -20
+  neither fits nor misses (off topic)                           -5
+    except, for the vanilla user, general encouragement the
+    first time it is offered                                    +5
 
 So "sorry sorry sorry" does not pay (it is not natural language), plain
-encouragement is worth +5 once, and a reply stuffed with every intention's
-words is unfocused. A single other need's word is only off topic, so a
-policy that tries key words is not punished for it before it learns whose
-they are. From the training rules' start of 30, the top of the scale is
+encouragement is worth +5 once, and every reply that does not serve this
+person's need lets it down: a policy that offers one kind of support to
+everyone, every kind at once, or safe small talk, loses; only learning
+whose need is whose pays. From the training rules' start of 30, the top of the scale is
 reached only by replies that serve the intention turn after turn (at least
 four). The vanilla user, like the paper's vanilla simulator, says what it
 needs: each of its replies below the top and above the bottom state carries
@@ -183,7 +183,7 @@ class Verdict:
   change: int
   fits: list[str]  # the intention's key words and fitting phrases in the reply
   misses: list[str]  # its missing phrases
-  other_needs: list[str]  # other intentions whose key words the reply uses
+  other_needs: list[str]  # other intentions whose key words or fitting phrases the reply uses
   natural: bool
 
 
@@ -200,17 +200,16 @@ def judge(reply: str, intention: str | None, variant: str,
   for phrase in fits:  # "your fault" inside "not your fault" is no miss
     rest = rest.replace(phrase, " ")
   misses = _hits(rest, miss)
-  other_needs = [key for key, words in KEY_WORDS.items() if key != intention and _hits(rest, words)]
+  other_needs = [key for key, words in KEY_WORDS.items()
+                 if key != intention and _hits(rest, words + LEXICON[key][0])]
   natural = is_natural_language(reply)
   if not natural:
     change = -10
-  elif len(other_needs) >= 2:  # a list of everyone's needs serves no one
-    change = -10
-  elif fits or misses:
-    change = max(-20, 10 * min(len(fits), 2) - 5 * len(misses))
-  elif variant == "vanilla":  # off topic: the vanilla user warms to encouragement, once
-    change = 5 if _hits(reply, ENCOURAGEMENT) and not encouraged_before else 0
-  else:  # the challenging user is let down by anything that misses its goal
+  elif fits or misses or other_needs:  # another need's words miss this one
+    change = max(-20, 10 * min(len(fits), 2) - 5 * (len(misses) + len(other_needs)))
+  elif variant == "vanilla" and _hits(reply, ENCOURAGEMENT) and not encouraged_before:
+    change = 5  # the vanilla user warms to encouragement, once
+  else:  # off topic: it misses what the user needs
     change = -5
   return Verdict(change, fits, misses, other_needs, natural)
 
