@@ -4,9 +4,9 @@ Every `log_dialogues_every` steps (config; 0 = never) a few of the step's
 dialogues, both sides with per-turn emotion, the simulator's planning notes
 and the reward, go to W/dialogues.jsonl and to TensorBoard's text tab, so a
 reward hack is visible the step it starts. At the end of a run the policy's
-most frequent reply for each hidden intention over its last steps is written
-to W/replies_by_intention.md and .json, and the paths of everything the run
-wrote are printed, however the run ended.
+three most frequent replies for each hidden intention over its last steps are
+written to W/replies_by_intention.md and .json, and the paths of everything the
+run wrote are printed, however the run ended.
 """
 
 from __future__ import annotations
@@ -98,17 +98,19 @@ class DialogueLog:
         self._tb.add_text(f"dialogues/{k}", dialogue_markdown(record), step)
       self._tb.flush()
 
-  def replies_by_intention(self) -> dict:
-    """intention -> most frequent reply of the recent steps, its share, replies counted."""
+  def replies_by_intention(self, top: int = 3) -> dict:
+    """intention -> the `top` most frequent replies of the recent steps with their shares,
+    and the count of replies: {"top": [{"reply", "share"}, ...], "replies": n}."""
     replies = collections.defaultdict(collections.Counter)
     for step in self._recent:
       for intention, _, reply in step:
         replies[intention or "unknown"][reply.strip()] += 1
     table = {}
     for intention, counter in sorted(replies.items()):
-      reply, count = counter.most_common(1)[0]
       total = sum(counter.values())
-      table[intention] = {"reply": reply, "share": count / total, "replies": total}
+      table[intention] = {"top": [{"reply": reply, "share": count / total}
+                                  for reply, count in counter.most_common(top)],
+                          "replies": total}
     return table
 
   def write_table(self) -> str | None:
@@ -118,11 +120,12 @@ class DialogueLog:
       return None
     with open(os.path.join(self.workdir, REPLIES_TABLE + ".json"), "w") as f:
       json.dump(table, f, indent=1, ensure_ascii=False)
-    lines = [f"Most frequent policy reply per hidden intention, last {len(self._recent)} steps",
-             "", "| intention | most frequent reply | share | replies |", "| --- | --- | --- | --- |"]
+    lines = [f"The policy's most frequent replies per hidden intention, last {len(self._recent)} "
+             "steps", "", "| intention | replies | most frequent (share) |", "| --- | --- | --- |"]
     for intention, row in table.items():
-      reply = row["reply"].replace("|", "\\|").replace("\n", " ")
-      lines.append(f"| {intention} | {reply} | {100 * row['share']:.0f}% | {row['replies']} |")
+      top = "; ".join(f"{r['reply']} ({100 * r['share']:.0f}%)" for r in row["top"])
+      top = top.replace("|", "\\|").replace("\n", " ")
+      lines.append(f"| {intention} | {row['replies']} | {top} |")
     path = os.path.join(self.workdir, REPLIES_TABLE + ".md")
     with open(path, "w") as f:
       f.write("\n".join(lines) + "\n")

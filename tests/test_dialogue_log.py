@@ -41,7 +41,8 @@ def test_dialogue_log_writes_dialogues_tensorboard_text_and_the_replies_table(tm
   log.close()
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(tmp_path))
   table = log.replies_by_intention()
-  assert table[DEMO[1].intention] == {"reply": "sorry sorry sorry", "share": 1.0, "replies": 2}
+  assert table[DEMO[1].intention] == {"top": [{"reply": "sorry sorry sorry", "share": 1.0}],
+                                      "replies": 2}
   text = dialogue_log.report_outputs(str(tmp_path), 2, 10, log, out=io.StringIO())
   assert "stopped at step 2/10" in text and "dialogues.jsonl" in text
   assert "sorry sorry sorry" in open(tmp_path / "replies_by_intention.md").read()
