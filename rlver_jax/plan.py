@@ -99,10 +99,11 @@ def _device_gib(tree) -> float:
   return total / GIB
 
 
-def _compile(fn, args, mesh, resident) -> dict:
-  """Compiles `fn(*args)`; `resident` are the arguments that stay in memory between steps."""
+def _compile(fn, args, mesh, resident, **static) -> dict:
+  """Compiles `fn(*args, **static)`; `resident` are the arguments that stay in memory
+  between steps."""
   with partitioning.mesh_context(mesh):
-    lowered = fn.lower(*args)
+    lowered = fn.lower(*args, **static)
     start = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
@@ -137,34 +138,32 @@ class _Model:
 
 
 def _sampler_programs(model: _Model, config, mesh, batch, cache_len, prefill_len, dtype):
-  """Compiles the sampler's prefill (a chunk of `prefill_len` tokens) and a decode loop."""
-  cache = jax.eval_shape(lambda: qwen2.KVCache.init(config, batch, cache_len, dtype))
+  """Compiles the sampler's row programs as the rollout engine runs them: a prefill of
+  `prefill_len` tokens into every row, and one decode chunk of every row."""
+  cache = jax.eval_shape(lambda: qwen2.KVCache.init_rows(config, batch, cache_len, dtype))
   kv = partitioning.named_sharding(qwen2.KV_CACHE_AXES, cache.k.shape, mesh)
+  replicated = NamedSharding(mesh, PartitionSpec())
   cache = qwen2.KVCache(
       k=jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=kv),
       v=jax.ShapeDtypeStruct(cache.v.shape, cache.v.dtype, sharding=kv),
       kv_positions_bs=_rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
-      length=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec())))
+      length=jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated))
   rows = functools.partial(_rows, mesh)
-  prefill = jax.jit(functools.partial(sampler_lib._prefill, model.graphdef), donate_argnums=(1,))
+  logits_bv = rows((batch, config.vocab_size), jnp.float32)
+  index_k = rows((batch,), jnp.int32)
+  prefill, decode = sampler_lib.row_programs(model.graphdef, (0,), 0)
   out = {"sampler_prefill": _compile(
-      prefill, (model.params, cache, rows((batch, prefill_len), jnp.int32),
-                rows((batch, prefill_len), jnp.bool_)), mesh, model.params)}
-  decode = jax.jit(functools.partial(sampler_lib._decode, model.graphdef, (0,), 0,
-                                     max_new_tokens=DECODE_STEPS, greedy=False, top_k=0,
-                                     use_top_p=False), donate_argnums=(1,))
-  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+      prefill, (model.params, cache, logits_bv, index_k, rows((batch, prefill_len), jnp.int32),
+                rows((batch, prefill_len), jnp.bool_), rows((batch,), jnp.bool_)),
+      mesh, model.params)}
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
+  key_k = rows((batch,), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+  per_row = lambda: rows((batch,), jnp.int32)  # budgets, row ids, offsets
   out["sampler_decode"] = _compile(
-      decode, (model.params, cache, rows((batch, config.vocab_size), jnp.float32),
-               rows((batch,), jnp.bool_), rows((batch,), jnp.int32), key,
-               rows((batch,), jnp.int32), scalar, scalar), mesh,
-      model.params)
+      decode, (model.params, cache, logits_bv, index_k, per_row(), key_k, per_row(), per_row(),
+               scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32)), mesh, model.params,
+      steps=sampler_lib.DECODE_CHUNK_STEPS, greedy=False, top_k=0, use_top_p=False)
   return out
-
-
-DECODE_STEPS = 256  # the decode program's token buffers; its memory barely depends on it
 
 
 def kv_cache_gib(config: qwen2.Qwen2Config, mesh, batch: int, cache_len: int, dtype) -> float:
