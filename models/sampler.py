@@ -249,10 +249,15 @@ class Sampler:
   def __init__(self, model: Qwen2, *, stop_token_ids: Sequence[int], pad_id: int = 0,
                mesh: Mesh | None = None, cache_dtype=None,
                min_chunk_bucket: int = 16, min_cache_bucket: int = 256,
-               decode_chunk_steps: int = DECODE_CHUNK_STEPS, sampling_dtype=None):
+               decode_chunk_steps: int = DECODE_CHUNK_STEPS, sampling_dtype=None,
+               sampling_layout: str = "decode"):
     """`sampling_dtype` (opt-in, e.g. bfloat16): decode from a copy of the weights in
-    that dtype, placed by `partitioning.DECODE_SHARDING_RULES` (split over tensor only, so no
-    FSDP all-gather per token); `update_weights` refreshes it in place."""
+    that dtype, placed by the rules of `partitioning.SAMPLING_LAYOUTS[sampling_layout]`
+    ("decode": split over tensor only, so no FSDP all-gather per token; "train": sharded
+    like the training weights); `update_weights` refreshes it in place."""
+    if sampling_layout not in partitioning.SAMPLING_LAYOUTS:
+      raise ValueError(f"sampling_layout={sampling_layout!r}: expected one of "
+                       f"{tuple(partitioning.SAMPLING_LAYOUTS)}")
     self.config = model.config
     self.graphdef, state = nnx.split(model)
     self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
@@ -267,11 +272,12 @@ class Sampler:
     self._cast = None
     if self.sampling_dtype is not None:
       shardings = (None if mesh is None else partitioning.state_shardings(
-          state, mesh, partitioning.DECODE_SHARDING_RULES))
+          state, mesh, partitioning.SAMPLING_LAYOUTS[sampling_layout]))
       cast = lambda new: jax.tree.map(lambda x: x.astype(self.sampling_dtype)
                                       if jnp.issubdtype(x.dtype, jnp.floating) else x, new)
-      # The old copy is donated: a refresh writes into its buffers.
-      self._cast = jax.jit(lambda old, new: cast(new), donate_argnums=(0,),
+      # The old copy is donated (and kept, though unread: jit drops unused arguments, and
+      # their donation with them): a refresh writes into its buffers.
+      self._cast = jax.jit(lambda old, new: cast(new), donate_argnums=(0,), keep_unused=True,
                            out_shardings=shardings)
       self.state = jax.jit(cast, out_shardings=shardings)(state)
     else:
