@@ -450,6 +450,11 @@ class Sampler:
     return RowBatch(cache=cache, logits_bv=logits_bv, lengths=np.zeros(batch, np.int64),
                     num_rows=num_rows)
 
+  def _attended_slots(self, rb: RowBatch, needed: int) -> int:
+    """Cache slots a row call attends over: a bucket of the most its rows will hold, so the
+    attention of short dialogues in a long cache does not scan its empty slots."""
+    return min(rb.capacity, bucket_size(needed, self.min_cache_bucket))
+
   def _row_index(self, rb: RowBatch, rows: Sequence[int], width: int) -> np.ndarray:
     """Row ids padded to `width` with an out-of-range id (read clamped, written nowhere)."""
     if len(set(rows)) != len(rows) or any(not 0 <= r < rb.num_rows for r in rows):
@@ -469,8 +474,8 @@ class Sampler:
     index = self._row_index(rb, rows, self._batch_bucket(len(rows)))
     if restart:
       rb.lengths[list(rows)] = 0
-    rb.cache = self._grown(rb.cache, max(int(rb.lengths[r]) + len(t)
-                                         for r, t in zip(rows, new_tokens)))
+    needed = max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens))
+    rb.cache = self._grown(rb.cache, needed)
     width = bucket_size(max(len(t) for t in new_tokens), self.min_chunk_bucket)
     tokens_kt = np.full((len(index), width), self.pad_id, np.int32)
     mask_kt = np.zeros((len(index), width), np.bool_)
@@ -483,7 +488,7 @@ class Sampler:
       rb.cache, rb.logits_bv = self._prefill_rows(
           self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
           self._put(tokens_kt, ("batch", None)), self._put(mask_kt, ("batch", None)),
-          self._put(restart_k, ("batch",)))
+          self._put(restart_k, ("batch",)), slots=self._attended_slots(rb, needed))
       jax.block_until_ready(rb.logits_bv)
     self.stats.seconds += time.perf_counter() - start
     for r, tokens in zip(rows, new_tokens):
@@ -507,8 +512,8 @@ class Sampler:
     if any(b < 1 for b in budgets):
       raise ValueError(f"budgets {list(budgets)}: every row needs at least one token")
     index = self._row_index(rb, rows, self.row_bucket(len(rows)))
-    rb.cache = self._grown(rb.cache, max(int(rb.lengths[r]) + min(b, steps)
-                                         for r, b in zip(rows, budgets)))
+    needed = max(int(rb.lengths[r]) + min(b, steps) for r, b in zip(rows, budgets))
+    rb.cache = self._grown(rb.cache, needed)
     width, n = len(index), len(rows)
     pad = lambda values: np.concatenate([np.asarray(values, np.int32),
                                          np.zeros(width - n, np.int32)])
@@ -524,7 +529,8 @@ class Sampler:
           self._put(pad(row_ids), ("batch",)), self._put(pad(offsets), ("batch",)),
           jnp.float32(params.temperature or 1.0), jnp.float32(params.top_p),
           jnp.int32(stop_after_finished or width + 1), steps=steps,
-          greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
+          slots=self._attended_slots(rb, needed), greedy=params.temperature == 0,
+          top_k=params.top_k, use_top_p=params.top_p < 1.0)
       tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run, rb.cache, rb.logits_bv = out
     tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run = jax.device_get(
         (tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run))
@@ -542,33 +548,44 @@ class Sampler:
 def row_programs(graphdef, stop_token_ids: Sequence[int], pad_id: int):
   """The jitted `(prefill_rows, decode_rows)` programs of a sampler (the planner compiles
   these too). Both donate the cache and the logits."""
-  prefill = jax.jit(functools.partial(_prefill_rows, graphdef), donate_argnums=(1, 2))
+  prefill = jax.jit(functools.partial(_prefill_rows, graphdef), donate_argnums=(1, 2),
+                    static_argnames=("slots",))
   decode = jax.jit(functools.partial(_decode_rows, graphdef, tuple(stop_token_ids), pad_id),
-                   donate_argnums=(1, 2), static_argnames=("steps", "greedy", "top_k",
+                   donate_argnums=(1, 2), static_argnames=("steps", "slots", "greedy", "top_k",
                                                            "use_top_p"))
   return prefill, decode
 
 
-def _gather_rows(cache: KVCache, logits_bv, index_k):
-  """The cache rows and logits of `index_k` (out-of-range ids read the last row)."""
+def _gather_rows(cache: KVCache, logits_bv, index_k, slots: int):
+  """The first `slots` cache slots and the logits of rows `index_k` (out-of-range ids read
+  the last row)."""
   take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")
-  return KVCache(k=take(cache.k, 1), v=take(cache.v, 1),
-                 kv_positions_bs=take(cache.kv_positions_bs, 0),
+  return KVCache(k=take(cache.k, 1)[:, :, :slots], v=take(cache.v, 1)[:, :, :slots],
+                 kv_positions_bs=take(cache.kv_positions_bs, 0)[:, :slots],
                  length=take(cache.length, 0)), take(logits_bv, 0)
 
 
 def _scatter_rows(cache: KVCache, logits_bv, index_k, rows: KVCache, row_logits_kv):
-  """Writes rows back at `index_k` (out-of-range ids are dropped)."""
-  put = lambda x, axis, new: (x.at[:, index_k] if axis else x.at[index_k]).set(new, mode="drop")
-  return KVCache(k=put(cache.k, 1, rows.k), v=put(cache.v, 1, rows.v),
-                 kv_positions_bs=put(cache.kv_positions_bs, 0, rows.kv_positions_bs),
-                 length=put(cache.length, 0, rows.length)), put(logits_bv, 0, row_logits_kv)
+  """Writes rows (their first `rows.max_len` slots) back at `index_k` (out-of-range ids are
+  dropped)."""
+  slots = rows.max_len
+  put = lambda x, new: x.at[index_k].set(new, mode="drop")
+  put_slots = lambda x, new: x.at[:, index_k, :slots].set(new, mode="drop")
+  return KVCache(k=put_slots(cache.k, rows.k), v=put_slots(cache.v, rows.v),
+                 kv_positions_bs=cache.kv_positions_bs.at[index_k, :slots].set(
+                     rows.kv_positions_bs, mode="drop"),
+                 length=put(cache.length, rows.length)), put(logits_bv, row_logits_kv)
 
 
-def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt, restart_k):
-  """Writes right-padded new tokens into rows `index_k`; keeps each row's last logits."""
+def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt, restart_k, *,
+                  slots):
+  """Writes right-padded new tokens into rows `index_k`; keeps each row's last logits.
+
+  Attends over the first `slots` cache slots only (they hold every row's tokens, new ones
+  included).
+  """
   model = nnx.merge(graphdef, state)
-  rows, _ = _gather_rows(cache, logits_bv, index_k)
+  rows, _ = _gather_rows(cache, logits_bv, index_k, slots)
   rows = rows.replace(length=jnp.where(restart_k, 0, rows.length))
   hidden_ktd, rows = model.backbone(tokens_kt, attention_mask=mask_kt, cache=rows)
   last_k = jnp.sum(mask_kt, axis=1) - 1
@@ -640,13 +657,15 @@ def _sampler_fn(temperature, top_p, greedy, top_k, use_top_p):
 
 def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, index_k, budget_k,
                  key_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
-                 greedy, top_k, use_top_p):
+                 slots, greedy, top_k, use_top_p):
   """One chunk of decode steps on the gathered rows, written back at the end.
 
-  Returns tokens and logprobs [K, steps], tokens drawn [K], stopped [K], steps run.
+  Attends over the first `slots` cache slots only (enough for every row's tokens after the
+  chunk), not the whole capacity. Returns tokens and logprobs [K, steps], tokens drawn [K],
+  stopped [K], steps run.
   """
   model = nnx.merge(graphdef, state)
-  rows, row_logits_kv = _gather_rows(cache, logits_bv, index_k)
+  rows, row_logits_kv = _gather_rows(cache, logits_bv, index_k, slots)
   row_keys_k = jax.vmap(jax.random.fold_in)(key_k, row_id_k)
   step, tokens_kn, logprobs_kn, counts_k, stopped_k, row_logits_kv, rows = _decode_loop(
       model, stop_token_ids, pad_id, _sampler_fn(temperature, top_p, greedy, top_k, use_top_p),

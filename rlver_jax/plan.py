@@ -165,14 +165,14 @@ def _sampler_programs(graphdef, params, config, mesh, batch, cache_len, prefill_
   out = {"sampler_prefill": _compile(
       prefill, (params, cache, logits_bv, index_k, rows((batch, prefill_len), jnp.int32),
                 rows((batch, prefill_len), jnp.bool_), rows((batch,), jnp.bool_)),
-      mesh, params)}
+      mesh, params, slots=cache_len)}
   scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
   key_k = rows((batch,), jax.eval_shape(lambda: jax.random.key(0)).dtype)
   per_row = lambda: rows((batch,), jnp.int32)  # budgets, row ids, offsets
   out["sampler_decode"] = _compile(
       decode, (params, cache, logits_bv, index_k, per_row(), key_k, per_row(), per_row(),
                scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32)), mesh, params,
-      steps=sampler_lib.DECODE_CHUNK_STEPS, greedy=False, top_k=0, use_top_p=False)
+      steps=sampler_lib.DECODE_CHUNK_STEPS, slots=cache_len, greedy=False, top_k=0, use_top_p=False)
   return out
 
 

@@ -103,6 +103,19 @@ def test_rows_continue_restart_and_match_a_full_forward_pass(model, reference, r
     np.testing.assert_allclose(logprobs, logp_btv[b, steps, reply], atol=1e-4)
 
 
+def test_short_rows_in_a_long_cache_attend_over_their_own_bucket(reference, row_sampler):
+  long_prompt = list(range(30, 70))  # grows the cache to 64 slots
+  expected = reference.generate([long_prompt, PROMPTS[1]], GREEDY)
+  rb = row_sampler.start_rows(2)
+  row_sampler.prefill_rows(rb, [0, 1], [long_prompt, PROMPTS[1]])
+  assert rb.capacity == 64
+  # Row 1 alone: its chunks attend over 16 slots (its bucket), not the cache's 64.
+  assert row_sampler._attended_slots(rb, len(PROMPTS[1]) + 3) == 16
+  short, _ = decode_all(row_sampler, rb, [1], GREEDY, width=1)
+  long, _ = decode_all(row_sampler, rb, [0], GREEDY, width=1)
+  assert [long[0], short[0]] == expected.tokens
+
+
 def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
   params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20)
   key = jax.random.key(7)
