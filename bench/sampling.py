@@ -6,8 +6,9 @@
 One random model (Qwen2.5-0.5B shaped by default) is saved in HF layout and
 loaded by all three, so they run the same weights. Greedy decoding with no
 reachable stop token, so every engine generates exactly --new_tokens.
-Ours runs twice: batch calls (`generate`) and the row API the continuous
-rollout engine uses (per-row cache, decode in chunks). For each engine:
+Ours runs twice: batch calls (`generate`, "ours") and the row API the
+continuous rollout engine uses ("ours_rows": per-row cache, decode in chunks
+of `decode_chunk_steps`), each compared with every peer. For each engine:
 compile (first call) time, prefill throughput (prompt tokens/s of a
 one-token generation) and decode throughput (new tokens/s of the rest:
 B * (N - 1) / (t_N - t_1)). Also the memory-bandwidth floor of a
@@ -268,23 +269,29 @@ def main(argv):
   results["copy_bandwidth_GBps"] = bandwidth / 1e9
   results["decode_step_floor_s"] = floor_s
   results["decode_tokens_per_s_at_floor"] = batch / floor_s
+  ours_rows = results["engines"]["ours_rows"]
   for name, r in results["engines"].items():
     if not name.startswith("ours"):
       r["ours_decode_speedup"] = ours["decode_tokens_per_s"] / r["decode_tokens_per_s"]
       r["ours_prefill_speedup"] = ours["prefill_tokens_per_s"] / r["prefill_tokens_per_s"]
-  ours["decode_step_s"] = ours["decode_s"] / (new_tokens - 1)
-  ours["decode_step_over_floor"] = ours["decode_step_s"] / floor_s
+      r["ours_rows_decode_speedup"] = (ours_rows["decode_tokens_per_s"]
+                                       / r["decode_tokens_per_s"])
+  for r in (ours, ours_rows):
+    r["decode_step_s"] = r["decode_s"] / (new_tokens - 1)
+    r["decode_step_over_floor"] = r["decode_step_s"] / floor_s
 
   print(f"\n{_PRESET.value}, batch {batch}, prompt {prompt_len}, {new_tokens} new tokens, "
         f"{os.cpu_count()} CPUs, fp32")
   print(f"{'engine':<14}{'first calls s':>14}{'prefill tok/s':>15}{'decode tok/s':>14}"
-        f"{'ours/peer dec':>15}{'ours/peer pre':>15}")
+        f"{'ours/peer dec':>15}{'rows/peer dec':>15}{'ours/peer pre':>15}")
   for name, r in results["engines"].items():
     print(f"{name:<14}{r['first_calls_s']:>14.1f}{r['prefill_tokens_per_s']:>15.1f}"
           f"{r['decode_tokens_per_s']:>14.1f}{r.get('ours_decode_speedup', 1.0):>15.2f}"
+          f"{r.get('ours_rows_decode_speedup', 1.0):>15.2f}"
           f"{r.get('ours_prefill_speedup', 1.0):>15.2f}")
   print(f"decode step floor {floor_s * 1e3:.1f} ms ({weight_bytes / 1e9:.2f} GB weights at "
-        f"{bandwidth / 2e9:.1f} GB/s read); ours {ours['decode_step_s'] * 1e3:.1f} ms")
+        f"{bandwidth / 2e9:.1f} GB/s read); ours {ours['decode_step_s'] * 1e3:.1f} ms, "
+        f"ours (rows) {ours_rows['decode_step_s'] * 1e3:.1f} ms")
   if "multi_turn" in results:
     mt = results["multi_turn"]
     print(f"multi-turn ({_TURN_BATCH.value} dialogues, {_TURN_PROMPT.value}-token openings, "

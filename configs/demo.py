@@ -32,6 +32,7 @@ def get_config(arg: str = ""):
   c.policy.tiny_warmup_steps = 300
   c.policy.dtype = "float32"
   c.policy.remat = False
+  c.rollout.sampling_dtype = ""  # float32 throughout: the sampler reads the training weights
 
   c.data.train_profiles = profiles.DEMO_PROFILES
   c.sim_user.backend = "scripted"

@@ -62,6 +62,13 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   c.rollout.top_k = 0
   # continuous: batching across turns (rl/engine.py); lockstep: one sampler call per round
   c.rollout.engine = "continuous"
+  # The sampler decodes from its own copy of the policy, refreshed in place after each update:
+  # "bfloat16", or "" to decode from the fp32 training weights (cast on every step).
+  c.rollout.sampling_dtype = "bfloat16"
+  # That copy's layout: "train" shards it over fsdp like the training weights (a decode step
+  # gathers bf16 shards); "decode" keeps it whole on every fsdp shard (no gather per token, but
+  # +14.2 GiB per device for 7B on fsdp=8, past the 60 GiB plan: `python -m rlver_jax.plan`).
+  c.rollout.sampling_layout = "train"
 
   c.rl = ml_collections.ConfigDict()
   c.rl.algorithm = "ppo"

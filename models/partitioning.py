@@ -58,6 +58,11 @@ DECODE_SHARDING_RULES: dict[str, tuple[str, ...]] = {
     name: axes if name in ("batch", "seq", "cache_seq")
     else tuple(a for a in axes if a not in SHARDING_RULES["batch"] and a != "fsdp")
     for name, axes in SHARDING_RULES.items()}
+# Layouts of the sampler's own copy of the weights (`Sampler(sampling_layout=...)`): "train"
+# shards it like the training weights (a decode step gathers the fsdp shards, at the copy's
+# dtype); "decode" holds it whole on every data/fsdp shard (no gather per token, but the
+# whole model in every fsdp shard's memory).
+SAMPLING_LAYOUTS = {"train": SHARDING_RULES, "decode": DECODE_SHARDING_RULES}
 
 
 def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int],

@@ -49,6 +49,7 @@ from jax.sharding import Mesh
 from models import partitioning
 from models.qwen2 import KV_CACHE_AXES, KVCache, Qwen2
 
+DECODE_CHUNK_STEPS = 32  # steps of one `decode_rows` call, by default
 STOP = "stop"
 LENGTH = "length"
 
@@ -248,10 +249,15 @@ class Sampler:
   def __init__(self, model: Qwen2, *, stop_token_ids: Sequence[int], pad_id: int = 0,
                mesh: Mesh | None = None, cache_dtype=None,
                min_chunk_bucket: int = 16, min_cache_bucket: int = 256,
-               decode_chunk_steps: int = 32, sampling_dtype=None):
+               decode_chunk_steps: int = DECODE_CHUNK_STEPS, sampling_dtype=None,
+               sampling_layout: str = "decode"):
     """`sampling_dtype` (opt-in, e.g. bfloat16): decode from a copy of the weights in
-    that dtype, placed by `partitioning.DECODE_SHARDING_RULES` (split over tensor only, so no
-    FSDP all-gather per token); `update_weights` refreshes it in place."""
+    that dtype, placed by the rules of `partitioning.SAMPLING_LAYOUTS[sampling_layout]`
+    ("decode": split over tensor only, so no FSDP all-gather per token; "train": sharded
+    like the training weights); `update_weights` refreshes it in place."""
+    if sampling_layout not in partitioning.SAMPLING_LAYOUTS:
+      raise ValueError(f"sampling_layout={sampling_layout!r}: expected one of "
+                       f"{tuple(partitioning.SAMPLING_LAYOUTS)}")
     self.config = model.config
     self.graphdef, state = nnx.split(model)
     self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
@@ -266,11 +272,12 @@ class Sampler:
     self._cast = None
     if self.sampling_dtype is not None:
       shardings = (None if mesh is None else partitioning.state_shardings(
-          state, mesh, partitioning.DECODE_SHARDING_RULES))
+          state, mesh, partitioning.SAMPLING_LAYOUTS[sampling_layout]))
       cast = lambda new: jax.tree.map(lambda x: x.astype(self.sampling_dtype)
                                       if jnp.issubdtype(x.dtype, jnp.floating) else x, new)
-      # The old copy is donated: a refresh writes into its buffers.
-      self._cast = jax.jit(lambda old, new: cast(new), donate_argnums=(0,),
+      # The old copy is donated (and kept, though unread: jit drops unused arguments, and
+      # their donation with them): a refresh writes into its buffers.
+      self._cast = jax.jit(lambda old, new: cast(new), donate_argnums=(0,), keep_unused=True,
                            out_shardings=shardings)
       self.state = jax.jit(cast, out_shardings=shardings)(state)
     else:
@@ -279,11 +286,8 @@ class Sampler:
     self._decode = jax.jit(
         functools.partial(_decode, self.graphdef, self.stop_token_ids, self.pad_id),
         donate_argnums=(1,), static_argnames=("max_new_tokens", "greedy", "top_k", "use_top_p"))
-    self._prefill_rows = jax.jit(functools.partial(_prefill_rows, self.graphdef),
-                                 donate_argnums=(1, 2))
-    self._decode_rows = jax.jit(
-        functools.partial(_decode_rows, self.graphdef, self.stop_token_ids, self.pad_id),
-        donate_argnums=(1, 2), static_argnames=("steps", "greedy", "top_k", "use_top_p"))
+    self._prefill_rows, self._decode_rows = row_programs(self.graphdef, self.stop_token_ids,
+                                                         self.pad_id)
 
   def update_weights(self, model_or_state) -> None:
     """Uses new weights (a model or its state) without recompiling."""
@@ -332,12 +336,13 @@ class Sampler:
     return Conversations(cache=self._place_cache(cache), row_ids=row_ids,
                          reply_ended=[True] * num_rows)
 
-  def _grow(self, convs: Conversations, needed_slots: int) -> None:
-    slots = bucket_size(needed_slots, self.min_cache_bucket)
-    extra = slots - convs.capacity
-    cache = convs.cache
+  def _grown(self, cache: KVCache, needed_slots: int) -> KVCache:
+    """`cache` with room for `needed_slots` slots (a bucket size), in either layout."""
+    if needed_slots <= cache.max_len:
+      return cache
+    extra = bucket_size(needed_slots, self.min_cache_bucket) - cache.max_len
     pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
-    convs.cache = self._place_cache(KVCache(
+    return self._place_cache(KVCache(
         k=pad_kv(cache.k), v=pad_kv(cache.v),
         kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
         length=cache.length))
@@ -379,8 +384,7 @@ class Sampler:
         raise ValueError(f"row {row}: no new tokens; every row needs at least one")
     chunk = bucket_size(max(len(t) for t in new_tokens), self.min_chunk_bucket)
     needed = int(convs.cache.length) + chunk + params.max_new_tokens
-    if needed > convs.capacity:
-      self._grow(convs, needed)
+    convs.cache = self._grown(convs.cache, needed)
 
     batch = convs.batch_size
     tokens_bt = np.full((batch, chunk), self.pad_id, np.int32)
@@ -446,16 +450,10 @@ class Sampler:
     return RowBatch(cache=cache, logits_bv=logits_bv, lengths=np.zeros(batch, np.int64),
                     num_rows=num_rows)
 
-  def _grow_rows(self, rb: RowBatch, needed_slots: int) -> None:
-    if needed_slots <= rb.capacity:
-      return
-    extra = bucket_size(needed_slots, self.min_cache_bucket) - rb.capacity
-    cache = rb.cache
-    pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
-    rb.cache = self._place_cache(KVCache(
-        k=pad_kv(cache.k), v=pad_kv(cache.v),
-        kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
-        length=cache.length))
+  def _attended_slots(self, rb: RowBatch, needed: int) -> int:
+    """Cache slots a row call attends over: a bucket of the most its rows will hold, so the
+    attention of short dialogues in a long cache does not scan its empty slots."""
+    return min(rb.capacity, bucket_size(needed, self.min_cache_bucket))
 
   def _row_index(self, rb: RowBatch, rows: Sequence[int], width: int) -> np.ndarray:
     """Row ids padded to `width` with an out-of-range id (read clamped, written nowhere)."""
@@ -476,7 +474,8 @@ class Sampler:
     index = self._row_index(rb, rows, self._batch_bucket(len(rows)))
     if restart:
       rb.lengths[list(rows)] = 0
-    self._grow_rows(rb, max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens)))
+    needed = max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens))
+    rb.cache = self._grown(rb.cache, needed)
     width = bucket_size(max(len(t) for t in new_tokens), self.min_chunk_bucket)
     tokens_kt = np.full((len(index), width), self.pad_id, np.int32)
     mask_kt = np.zeros((len(index), width), np.bool_)
@@ -489,7 +488,7 @@ class Sampler:
       rb.cache, rb.logits_bv = self._prefill_rows(
           self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
           self._put(tokens_kt, ("batch", None)), self._put(mask_kt, ("batch", None)),
-          self._put(restart_k, ("batch",)))
+          self._put(restart_k, ("batch",)), slots=self._attended_slots(rb, needed))
       jax.block_until_ready(rb.logits_bv)
     self.stats.seconds += time.perf_counter() - start
     for r, tokens in zip(rows, new_tokens):
@@ -513,7 +512,8 @@ class Sampler:
     if any(b < 1 for b in budgets):
       raise ValueError(f"budgets {list(budgets)}: every row needs at least one token")
     index = self._row_index(rb, rows, self.row_bucket(len(rows)))
-    self._grow_rows(rb, max(int(rb.lengths[r]) + min(b, steps) for r, b in zip(rows, budgets)))
+    needed = max(int(rb.lengths[r]) + min(b, steps) for r, b in zip(rows, budgets))
+    rb.cache = self._grown(rb.cache, needed)
     width, n = len(index), len(rows)
     pad = lambda values: np.concatenate([np.asarray(values, np.int32),
                                          np.zeros(width - n, np.int32)])
@@ -529,7 +529,8 @@ class Sampler:
           self._put(pad(row_ids), ("batch",)), self._put(pad(offsets), ("batch",)),
           jnp.float32(params.temperature or 1.0), jnp.float32(params.top_p),
           jnp.int32(stop_after_finished or width + 1), steps=steps,
-          greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
+          slots=self._attended_slots(rb, needed), greedy=params.temperature == 0,
+          top_k=params.top_k, use_top_p=params.top_p < 1.0)
       tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run, rb.cache, rb.logits_bv = out
     tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run = jax.device_get(
         (tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run))
@@ -544,26 +545,47 @@ class Sampler:
                     steps=int(steps_run), width=width)
 
 
-def _gather_rows(cache: KVCache, logits_bv, index_k):
-  """The cache rows and logits of `index_k` (out-of-range ids read the last row)."""
+def row_programs(graphdef, stop_token_ids: Sequence[int], pad_id: int):
+  """The jitted `(prefill_rows, decode_rows)` programs of a sampler (the planner compiles
+  these too). Both donate the cache and the logits."""
+  prefill = jax.jit(functools.partial(_prefill_rows, graphdef), donate_argnums=(1, 2),
+                    static_argnames=("slots",))
+  decode = jax.jit(functools.partial(_decode_rows, graphdef, tuple(stop_token_ids), pad_id),
+                   donate_argnums=(1, 2), static_argnames=("steps", "slots", "greedy", "top_k",
+                                                           "use_top_p"))
+  return prefill, decode
+
+
+def _gather_rows(cache: KVCache, logits_bv, index_k, slots: int):
+  """The first `slots` cache slots and the logits of rows `index_k` (out-of-range ids read
+  the last row)."""
   take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")
-  return KVCache(k=take(cache.k, 1), v=take(cache.v, 1),
-                 kv_positions_bs=take(cache.kv_positions_bs, 0),
+  return KVCache(k=take(cache.k, 1)[:, :, :slots], v=take(cache.v, 1)[:, :, :slots],
+                 kv_positions_bs=take(cache.kv_positions_bs, 0)[:, :slots],
                  length=take(cache.length, 0)), take(logits_bv, 0)
 
 
 def _scatter_rows(cache: KVCache, logits_bv, index_k, rows: KVCache, row_logits_kv):
-  """Writes rows back at `index_k` (out-of-range ids are dropped)."""
-  put = lambda x, axis, new: (x.at[:, index_k] if axis else x.at[index_k]).set(new, mode="drop")
-  return KVCache(k=put(cache.k, 1, rows.k), v=put(cache.v, 1, rows.v),
-                 kv_positions_bs=put(cache.kv_positions_bs, 0, rows.kv_positions_bs),
-                 length=put(cache.length, 0, rows.length)), put(logits_bv, 0, row_logits_kv)
+  """Writes rows (their first `rows.max_len` slots) back at `index_k` (out-of-range ids are
+  dropped)."""
+  slots = rows.max_len
+  put = lambda x, new: x.at[index_k].set(new, mode="drop")
+  put_slots = lambda x, new: x.at[:, index_k, :slots].set(new, mode="drop")
+  return KVCache(k=put_slots(cache.k, rows.k), v=put_slots(cache.v, rows.v),
+                 kv_positions_bs=cache.kv_positions_bs.at[index_k, :slots].set(
+                     rows.kv_positions_bs, mode="drop"),
+                 length=put(cache.length, rows.length)), put(logits_bv, row_logits_kv)
 
 
-def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt, restart_k):
-  """Writes right-padded new tokens into rows `index_k`; keeps each row's last logits."""
+def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt, restart_k, *,
+                  slots):
+  """Writes right-padded new tokens into rows `index_k`; keeps each row's last logits.
+
+  Attends over the first `slots` cache slots only (they hold every row's tokens, new ones
+  included).
+  """
   model = nnx.merge(graphdef, state)
-  rows, _ = _gather_rows(cache, logits_bv, index_k)
+  rows, _ = _gather_rows(cache, logits_bv, index_k, slots)
   rows = rows.replace(length=jnp.where(restart_k, 0, rows.length))
   hidden_ktd, rows = model.backbone(tokens_kt, attention_mask=mask_kt, cache=rows)
   last_k = jnp.sum(mask_kt, axis=1) - 1
@@ -596,38 +618,59 @@ def _decode_step(model, stop_ids, pad_id, sample, step, step_keys_r, budget_r, t
   return tokens_rn, logprobs_rn, counts_r, stopped_r, done_r, logits_rv, cache
 
 
-def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, index_k, budget_k,
-                 key_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
-                 greedy, top_k, use_top_p):
-  """One chunk of `_decode` steps on the gathered rows, written back at the end.
+def _decode_loop(model, stop_token_ids, pad_id, sample, cache, logits_rv, done_r, budget_r,
+                 row_keys_r, offset_r, stop_after_finished, *, steps):
+  """Up to `steps` decode steps for rows r of `cache`; the one loop of every decode program.
 
-  Returns tokens and logprobs [K, steps], tokens drawn [K], stopped [K], steps run.
+  Row r draws step i with `row_keys_r[r]` folded with `offset_r[r] + i`.
+  The loop ends early once every row is done (a stop token or its budget)
+  or `stop_after_finished` rows with a budget finished. Returns steps run,
+  tokens and logprobs [R, steps], tokens drawn [R], stopped [R], each row's
+  last logits and the cache.
   """
-  model = nnx.merge(graphdef, state)
-  rows, row_logits_kv = _gather_rows(cache, logits_bv, index_k)
-  width = index_k.shape[0]
+  width = logits_rv.shape[0]
   stop_ids = jnp.asarray(stop_token_ids, jnp.int32)
-  row_keys_k = jax.vmap(jax.random.fold_in)(key_k, row_id_k)
-  sample = functools.partial(sample_logits, temperature=temperature, top_p=top_p,
-                             greedy=greedy, top_k=top_k, use_top_p=use_top_p)
-  done_k = budget_k <= 0
 
   def cond(carry):
-    step, _, _, _, _, done_k, _, _ = carry
-    finished = jnp.sum(done_k & (budget_k > 0))
-    return (step < steps) & ~jnp.all(done_k) & (finished < stop_after_finished)
+    step, _, _, _, _, done_r, _, _ = carry
+    finished = jnp.sum(done_r & (budget_r > 0))
+    return (step < steps) & ~jnp.all(done_r) & (finished < stop_after_finished)
 
   def body(carry):
     step, *decoding = carry
-    step_keys_k = jax.vmap(jax.random.fold_in)(row_keys_k, offset_k + step)
-    return (step + 1, *_decode_step(model, stop_ids, pad_id, sample, step, step_keys_k,
-                                    budget_k, *decoding))
+    step_keys_r = jax.vmap(jax.random.fold_in)(row_keys_r, offset_r + step)
+    return (step + 1, *_decode_step(model, stop_ids, pad_id, sample, step, step_keys_r,
+                                    budget_r, *decoding))
 
   carry = (jnp.int32(0), jnp.full((width, steps), pad_id, jnp.int32),
            jnp.zeros((width, steps), jnp.float32), jnp.zeros((width,), jnp.int32),
-           jnp.zeros((width,), jnp.bool_), done_k, row_logits_kv, rows)
-  step, tokens_kn, logprobs_kn, counts_k, stopped_k, _, row_logits_kv, rows = jax.lax.while_loop(
+           jnp.zeros((width,), jnp.bool_), done_r, logits_rv, cache)
+  step, tokens_rn, logprobs_rn, counts_r, stopped_r, _, logits_rv, cache = jax.lax.while_loop(
       cond, body, carry)
+  return step, tokens_rn, logprobs_rn, counts_r, stopped_r, logits_rv, cache
+
+
+def _sampler_fn(temperature, top_p, greedy, top_k, use_top_p):
+  return functools.partial(sample_logits, temperature=temperature, top_p=top_p,
+                           greedy=greedy, top_k=top_k, use_top_p=use_top_p)
+
+
+def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, index_k, budget_k,
+                 key_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
+                 slots, greedy, top_k, use_top_p):
+  """One chunk of decode steps on the gathered rows, written back at the end.
+
+  Attends over the first `slots` cache slots only (enough for every row's tokens after the
+  chunk), not the whole capacity. Returns tokens and logprobs [K, steps], tokens drawn [K],
+  stopped [K], steps run.
+  """
+  model = nnx.merge(graphdef, state)
+  rows, row_logits_kv = _gather_rows(cache, logits_bv, index_k, slots)
+  row_keys_k = jax.vmap(jax.random.fold_in)(key_k, row_id_k)
+  step, tokens_kn, logprobs_kn, counts_k, stopped_k, row_logits_kv, rows = _decode_loop(
+      model, stop_token_ids, pad_id, _sampler_fn(temperature, top_p, greedy, top_k, use_top_p),
+      rows, row_logits_kv, budget_k <= 0, budget_k, row_keys_k, offset_k, stop_after_finished,
+      steps=steps)
   cache, logits_bv = _scatter_rows(cache, logits_bv, index_k, rows, row_logits_kv)
   return tokens_kn, logprobs_kn, counts_k, stopped_k, step, cache, logits_bv
 
@@ -648,25 +691,10 @@ def _decode(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, done_b, b
   """
   model = nnx.merge(graphdef, state)
   batch = logits_bv.shape[0]
-  stop_ids = jnp.asarray(stop_token_ids, jnp.int32)
   row_keys_b = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, row_ids_b)
-  sample = functools.partial(sample_logits, temperature=temperature, top_p=top_p,
-                             greedy=greedy, top_k=top_k, use_top_p=use_top_p)
-
-  def cond(carry):
-    step, _, _, _, _, done_b, _, _ = carry
-    return (step < max_new_tokens) & ~jnp.all(done_b)
-
-  def body(carry):
-    step, *decoding = carry
-    step_keys_b = jax.vmap(jax.random.fold_in, in_axes=(0, None))(row_keys_b, step)
-    return (step + 1, *_decode_step(model, stop_ids, pad_id, sample, step, step_keys_b,
-                                    budget_b, *decoding))
-
-  carry = (jnp.int32(0), jnp.full((batch, max_new_tokens), pad_id, jnp.int32),
-           jnp.zeros((batch, max_new_tokens), jnp.float32), jnp.zeros((batch,), jnp.int32),
-           jnp.zeros((batch,), jnp.bool_), done_b, logits_bv, cache)
-  _, tokens_bn, logprobs_bn, lengths_b, stopped_b, _, _, cache = jax.lax.while_loop(
-      cond, body, carry)
+  _, tokens_bn, logprobs_bn, lengths_b, stopped_b, _, cache = _decode_loop(
+      model, stop_token_ids, pad_id, _sampler_fn(temperature, top_p, greedy, top_k, use_top_p),
+      cache, logits_bv, done_b, budget_b, row_keys_b, jnp.zeros((batch,), jnp.int32),
+      batch + 1, steps=max_new_tokens)
   held = jnp.sum((cache.kv_positions_bs >= 0) & ~done_b[:, None])  # real rows' tokens
   return tokens_bn, logprobs_bn, lengths_b, stopped_b, held, cache

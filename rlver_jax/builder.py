@@ -156,7 +156,9 @@ def training_models(config, loss_cfg: LossConfig, hosts: multihost.Hosts) -> Tra
         qwen2.from_pretrained(policy_path, **{**load, "remat": False}), mesh=hosts.train_mesh)
   sampler = Sampler(hosts.local_model(model), stop_token_ids=policy_lib.stop_token_ids(
                         tokenizer, eos_token_id=model.config.eos_token_id),
-                    pad_id=tokenizer.pad_token_id or 0, mesh=hosts.local_mesh)
+                    pad_id=tokenizer.pad_token_id or 0, mesh=hosts.local_mesh,
+                    sampling_dtype=config.rollout.sampling_dtype or None,
+                    sampling_layout=config.rollout.sampling_layout)
   return TrainingModels(tokenizer=tokenizer, formatter=ChatFormatter(tokenizer), policy=policy,
                         policy_optim=policy_optim, critic=critic, critic_optim=critic_optim,
                         reference=reference, sampler=sampler)

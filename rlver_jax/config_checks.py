@@ -8,6 +8,7 @@ otherwise skips every update, hours in).
 
 from __future__ import annotations
 
+from models import partitioning
 from models.errors import UserInputError
 from rl import losses
 from rl import rollout as rollout_lib
@@ -19,6 +20,7 @@ ALGORITHMS = ("ppo", "grpo")
 REWARDS = ("final", "turn")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 LR_SCHEDULES = ("constant", "cosine")
+SAMPLING_DTYPES = ("", "bfloat16")  # "": the sampler decodes from the training weights
 
 
 class _Problems:
@@ -128,6 +130,10 @@ def check_train_config(config) -> None:
               "per-turn rewards are a PPO ablation; GRPO normalises final rewards")
   _check_sampling(p, "rollout", greedy_ok=False)
   p.require("rollout.max_dialogue_tokens", _at_least(1), "must be >= 1")
+  p.require("rollout.sampling_dtype", lambda v: v in SAMPLING_DTYPES,
+            f"the sampler's copy of the weights: expected one of {SAMPLING_DTYPES} "
+            "(empty: decode from the training weights)")
+  p.one_of("rollout.sampling_layout", partitioning.SAMPLING_LAYOUTS)
   _check_system_prompt(p, "rollout.system_prompt")
 
   p.one_of("rl.reward", REWARDS)

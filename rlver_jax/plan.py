@@ -7,9 +7,10 @@ Each program is lowered with abstract arrays (`jax.ShapeDtypeStruct` carrying
 their shardings), compiled by XLA for the devices at hand, and its memory
 analysis gives bytes per device. The programs: the policy and critic
 updates, the critic's value pass and the reference log-prob pass (run before
-the updates in micro-batches of the update's size), and the sampler's prefill
-and decode steps over a KV cache of `cache_len` slots. What stays resident
-(policy and critic weights and optimizer states) is counted once; the peak is
+the updates in micro-batches of the update's size), and the sampler's row
+prefill and decode chunk over a KV cache of `cache_len` slots. What stays
+resident (policy and critic weights and optimizer states, the sampler's copy
+of the weights in `--sampling_dtype`) is counted once; the peak is
 resident plus the largest of what any one program adds on top (its other
 arguments such as the batch or the KV cache, temporaries and new outputs).
 Compile seconds are reported per program. `--fake_devices=N` plans for N
@@ -99,10 +100,11 @@ def _device_gib(tree) -> float:
   return total / GIB
 
 
-def _compile(fn, args, mesh, resident) -> dict:
-  """Compiles `fn(*args)`; `resident` are the arguments that stay in memory between steps."""
+def _compile(fn, args, mesh, resident, **static) -> dict:
+  """Compiles `fn(*args, **static)`; `resident` are the arguments that stay in memory
+  between steps."""
   with partitioning.mesh_context(mesh):
-    lowered = fn.lower(*args)
+    lowered = fn.lower(*args, **static)
     start = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
@@ -135,36 +137,43 @@ class _Model:
     self.opt = _abstract(abstract_opt, _opt_shardings(self.tx, abstract_opt,
                                                       self.param_shardings, mesh))
 
+  def sampling_copy(self, mesh, dtype, layout: str):
+    """The sampler's copy of the weights in `dtype` and `layout` (partitioning.SAMPLING_LAYOUTS)."""
+    shardings = partitioning.state_shardings(self.params, mesh,
+                                             partitioning.SAMPLING_LAYOUTS[layout])
+    cast = lambda x: dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=s),
+                        self.params, shardings)
 
-def _sampler_programs(model: _Model, config, mesh, batch, cache_len, prefill_len, dtype):
-  """Compiles the sampler's prefill (a chunk of `prefill_len` tokens) and a decode loop."""
-  cache = jax.eval_shape(lambda: qwen2.KVCache.init(config, batch, cache_len, dtype))
+
+def _sampler_programs(graphdef, params, config, mesh, batch, cache_len, prefill_len, dtype):
+  """Compiles the sampler's row programs as the rollout engine runs them, from the weights
+  `params` it decodes with: a prefill of `prefill_len` tokens into every row, and one decode
+  chunk of every row."""
+  cache = jax.eval_shape(lambda: qwen2.KVCache.init_rows(config, batch, cache_len, dtype))
   kv = partitioning.named_sharding(qwen2.KV_CACHE_AXES, cache.k.shape, mesh)
+  replicated = NamedSharding(mesh, PartitionSpec())
   cache = qwen2.KVCache(
       k=jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=kv),
       v=jax.ShapeDtypeStruct(cache.v.shape, cache.v.dtype, sharding=kv),
       kv_positions_bs=_rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
-      length=jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(mesh, PartitionSpec())))
+      length=jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated))
   rows = functools.partial(_rows, mesh)
-  prefill = jax.jit(functools.partial(sampler_lib._prefill, model.graphdef), donate_argnums=(1,))
+  logits_bv = rows((batch, config.vocab_size), jnp.float32)
+  index_k = rows((batch,), jnp.int32)
+  prefill, decode = sampler_lib.row_programs(graphdef, (0,), 0)
   out = {"sampler_prefill": _compile(
-      prefill, (model.params, cache, rows((batch, prefill_len), jnp.int32),
-                rows((batch, prefill_len), jnp.bool_)), mesh, model.params)}
-  decode = jax.jit(functools.partial(sampler_lib._decode, model.graphdef, (0,), 0,
-                                     max_new_tokens=DECODE_STEPS, greedy=False, top_k=0,
-                                     use_top_p=False), donate_argnums=(1,))
-  scalar = jax.ShapeDtypeStruct((), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec()))
-  key = jax.eval_shape(lambda: jax.random.key(0))
-  key = jax.ShapeDtypeStruct(key.shape, key.dtype, sharding=NamedSharding(mesh, PartitionSpec()))
+      prefill, (params, cache, logits_bv, index_k, rows((batch, prefill_len), jnp.int32),
+                rows((batch, prefill_len), jnp.bool_), rows((batch,), jnp.bool_)),
+      mesh, params, slots=cache_len)}
+  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
+  key_k = rows((batch,), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+  per_row = lambda: rows((batch,), jnp.int32)  # budgets, row ids, offsets
   out["sampler_decode"] = _compile(
-      decode, (model.params, cache, rows((batch, config.vocab_size), jnp.float32),
-               rows((batch,), jnp.bool_), rows((batch,), jnp.int32), key,
-               rows((batch,), jnp.int32), scalar, scalar), mesh,
-      model.params)
+      decode, (params, cache, logits_bv, index_k, per_row(), key_k, per_row(), per_row(),
+               scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32)), mesh, params,
+      steps=sampler_lib.DECODE_CHUNK_STEPS, slots=cache_len, greedy=False, top_k=0, use_top_p=False)
   return out
-
-
-DECODE_STEPS = 256  # the decode program's token buffers; its memory barely depends on it
 
 
 def kv_cache_gib(config: qwen2.Qwen2Config, mesh, batch: int, cache_len: int, dtype) -> float:
@@ -177,13 +186,16 @@ def kv_cache_gib(config: qwen2.Qwen2Config, mesh, batch: int, cache_len: int, dt
 def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *,
          dtype="bfloat16", param_dtype="float32", remat="full", attention="auto", critic=True,
          reference=False, sampler=True, cache_len: int | None = None,
-         prefill_len: int | None = None) -> dict:
+         prefill_len: int | None = None, sampling_dtype: str = "bfloat16",
+         sampling_layout: str = "train") -> dict:
   """Per-device memory and compile seconds of every program of one training step.
 
   `batch` is the update's micro-batch (the value and reference passes run in
   micro-batches of the same size); `cache_len` the sampler's KV slots
   (default `seq_len`) and `prefill_len` its longest prefill chunk (default
-  `cache_len // 2`).
+  `cache_len // 2`). The sampler decodes from a resident copy of the policy in
+  `sampling_dtype` and `sampling_layout` (the recipes' `rollout.sampling_dtype` and
+  `rollout.sampling_layout`; an empty dtype decodes from the training weights).
   """
   mesh = partitioning.make_mesh(mesh_axes)
   dtype, param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
@@ -194,7 +206,9 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
   result = {"model": dataclasses.asdict(config), "mesh": dict(mesh.shape), "batch": batch,
             "seq_len": seq_len, "cache_len": cache_len, "prefill_len": prefill_len,
             "dtype": dtype.name, "param_dtype": param_dtype.name, "remat": remat,
-            "attention": attention, "devices": mesh.devices.size}
+            "attention": attention, "devices": mesh.devices.size,
+            "sampling_dtype": sampling_dtype if sampler else "",
+            "sampling_layout": sampling_layout, "sampling_copy_gib": 0.0}
   build = lambda cls: _Model(cls, config, mesh, dtype, param_dtype, remat, attention)
   programs = {}
 
@@ -225,8 +239,13 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
     programs["reference_logprobs"] = forward_pass(policy, functools.partial(
         forward.sequence_logprobs, temperature=1.0))
   if sampler:
-    programs.update(_sampler_programs(policy, config, mesh, batch, cache_len, prefill_len,
-                                      dtype))
+    sampling_params = policy.params
+    if sampling_dtype:  # a resident copy for decoding (Sampler(sampling_dtype=...))
+      sampling_params = policy.sampling_copy(mesh, jnp.dtype(sampling_dtype), sampling_layout)
+      resident.append(sampling_params)
+      result["sampling_copy_gib"] = _device_gib(sampling_params)
+    programs.update(_sampler_programs(policy.graphdef, sampling_params, config, mesh, batch,
+                                      cache_len, prefill_len, dtype))
   result["programs"] = programs
   result["kv_cache_gib"] = kv_cache_gib(config, mesh, batch, cache_len, dtype)
   result["resident_gib"] = _device_gib(resident)
@@ -251,6 +270,12 @@ def _define_flags() -> None:
   flags.DEFINE_bool("critic", True, "also plan the critic (PPO)")
   flags.DEFINE_bool("reference", False, "also plan a reference policy (KL penalty)")
   flags.DEFINE_bool("sampler", True, "also plan the sampler's prefill and decode")
+  flags.DEFINE_string("sampling_dtype", "bfloat16", "the sampler's resident copy of the "
+                      "weights (rollout.sampling_dtype); empty: it decodes from the training "
+                      "weights")
+  flags.DEFINE_string("sampling_layout", "train", "that copy's layout "
+                      "(rollout.sampling_layout): train (fsdp-sharded) or decode (whole on "
+                      "every fsdp shard)")
   flags.DEFINE_float("device_memory_gib", None, "memory per device, for a verdict")
   flags.DEFINE_integer("fake_devices", 0, "plan for N fake CPU devices (read before JAX starts)")
   flags.DEFINE_string("out", None, "also write the plan as JSON here")
@@ -285,7 +310,8 @@ def _plan_from_flags(argv):
   result = plan(config, parse_mesh(FLAGS.mesh), FLAGS.batch, FLAGS.seq_len,
                 dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype, remat=FLAGS.remat,
                 attention=FLAGS.attention, critic=FLAGS.critic, reference=FLAGS.reference,
-                sampler=FLAGS.sampler, cache_len=FLAGS.cache_len, prefill_len=FLAGS.prefill_len)
+                sampler=FLAGS.sampler, cache_len=FLAGS.cache_len, prefill_len=FLAGS.prefill_len,
+                sampling_dtype=FLAGS.sampling_dtype, sampling_layout=FLAGS.sampling_layout)
   print(f"{FLAGS.hf_config or FLAGS.model}: {result['parameters'] / 1e9:.2f}B parameters, "
         f"mesh {result['mesh']} on {jax.devices()[0].platform}, batch {FLAGS.batch} x "
         f"{FLAGS.seq_len} tokens, {FLAGS.dtype} compute / {FLAGS.param_dtype} weights, "
@@ -295,8 +321,11 @@ def _plan_from_flags(argv):
   for name, r in result["programs"].items():
     print(f"{name:<20}{r['argument_gib']:>11.2f}{r['temp_gib']:>13.2f}{r['output_gib']:>10.2f}"
           f"{r['extra_gib']:>11.2f}{r['compile_s']:>11.1f}")
+  copy = (f", the sampler's {result['sampling_dtype']} copy ({result['sampling_layout']} "
+          f"layout) {result['sampling_copy_gib']:.2f}" if result["sampling_copy_gib"] else "")
   print(f"resident          {result['resident_gib']:.2f} GiB per device (policy and critic "
-        f"weights and optimizer states); sampler KV cache {result['kv_cache_gib']:.2f} GiB")
+        f"weights and optimizer states{copy}); sampler KV cache "
+        f"{result['kv_cache_gib']:.2f} GiB")
   print(f"estimated peak    {result['peak_gib']:.2f} GiB per device (resident plus the largest "
         f"'+resident' column); compile {result['compile_s']:.1f} s in all")
   if FLAGS.device_memory_gib:

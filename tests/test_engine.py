@@ -103,6 +103,19 @@ def test_rows_continue_restart_and_match_a_full_forward_pass(model, reference, r
     np.testing.assert_allclose(logprobs, logp_btv[b, steps, reply], atol=1e-4)
 
 
+def test_short_rows_in_a_long_cache_attend_over_their_own_bucket(reference, row_sampler):
+  long_prompt = list(range(30, 70))  # grows the cache to 64 slots
+  expected = reference.generate([long_prompt, PROMPTS[1]], GREEDY)
+  rb = row_sampler.start_rows(2)
+  row_sampler.prefill_rows(rb, [0, 1], [long_prompt, PROMPTS[1]])
+  assert rb.capacity == 64
+  # Row 1 alone: its chunks attend over 16 slots (its bucket), not the cache's 64.
+  assert row_sampler._attended_slots(rb, len(PROMPTS[1]) + 3) == 16
+  short, _ = decode_all(row_sampler, rb, [1], GREEDY, width=1)
+  long, _ = decode_all(row_sampler, rb, [0], GREEDY, width=1)
+  assert [long[0], short[0]] == expected.tokens
+
+
 def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
   params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20)
   key = jax.random.key(7)
@@ -114,23 +127,34 @@ def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
   assert tokens == expected.tokens
 
 
-def test_bf16_sampling_weights_refresh_without_recompiling(model):
+@pytest.mark.parametrize("layout", ["decode", "train"])
+def test_bf16_sampling_weights_refresh_without_recompiling(model, layout):
   mesh = partitioning.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
-  sampler = Sampler(model, stop_token_ids=[STOP], sampling_dtype=jnp.bfloat16, mesh=mesh)
+  sampler = Sampler(model, stop_token_ids=[STOP], sampling_dtype=jnp.bfloat16, mesh=mesh,
+                    sampling_layout=layout)
   weights = jax.tree.leaves(sampler.state)
   assert all(x.dtype == jnp.bfloat16 for x in weights)
-  # The decode layout: split over tensor, never over fsdp (no all-gather per token).
   assert any("tensor" in x.sharding.spec for x in weights)
-  assert not any("fsdp" in str(x.sharding.spec) for x in weights)
+  # decode: split over tensor, never over fsdp (no all-gather per token); train: as trained.
+  assert any("fsdp" in str(x.sharding.spec) for x in weights) == (layout == "train")
   graphdef, state = nnx.split(model)
   cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), state)
   expected = Sampler(nnx.merge(graphdef, cast), stop_token_ids=[STOP]).generate(PROMPTS, GREEDY)
   assert sampler.generate(PROMPTS, GREEDY).tokens == expected.tokens
+  rb = sampler.start_rows(len(PROMPTS))
+  sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  assert decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=4)[0] == expected.tokens
+
   other = qwen2.init_random(CONFIG, seed=1)
   sampler.update_weights(other)
-  compiled = sampler._decode._cache_size()
+  assert all(x.is_deleted() for x in weights)  # refreshed into the old copy's buffers
+  programs = (sampler._decode, sampler._prefill_rows, sampler._decode_rows)
+  compiled = [program._cache_size() for program in programs]
   refreshed = sampler.generate(PROMPTS, GREEDY).tokens
-  assert sampler._decode._cache_size() == compiled
+  rb = sampler.start_rows(len(PROMPTS))
+  sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  assert decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=4)[0] == refreshed
+  assert [program._cache_size() for program in programs] == compiled
   assert refreshed != expected.tokens
 
 

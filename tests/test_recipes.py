@@ -20,6 +20,7 @@ import subprocess
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -119,6 +120,13 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
     assert run.rollout_cfg.system_prompt == shipped_prompt
   run.run()
 
+  # The recipes decode from the sampler's bf16 copy (the demo, fp32, from the training weights).
+  sampler_weights = jax.tree.leaves(run.models.sampler.state)
+  assert {x.dtype for x in sampler_weights} == {
+      jnp.dtype(config.rollout.sampling_dtype or config.policy.param_dtype)}
+  if config.rollout.sampling_dtype and config.rollout.sampling_layout == "train":
+    assert all(copy.sharding.is_equivalent_to(trained.sharding, trained.ndim) for copy, trained
+               in zip(sampler_weights, jax.tree.leaves(run.models.policy.params), strict=True))
   records = metrics_lib.read_appended_jsonl(os.path.join(config.workdir, "metrics.jsonl"))
   assert [r["step"] for r in records] == [1, 2]
   for r in records:
@@ -348,6 +356,9 @@ BAD_TRAINING_SETTINGS = [
     ("ppo", {"batch_size": 0}, "batch_size=0: profiles per step; must be >= 1"),
     ("ppo", {"rollout.samples_per_profile": 0}, "rollout.samples_per_profile=0: must be >= 1"),
     ("ppo", {"rl.algorithm": "reinforce"}, "rl.algorithm='reinforce': expected one of"),
+    ("ppo", {"rollout.sampling_dtype": "bf16"},
+     "rollout.sampling_dtype='bf16': the sampler's copy of the weights: expected one of"),
+    ("ppo", {"rollout.sampling_layout": "tp"}, "rollout.sampling_layout='tp': expected one of"),
     ("grpo", {"rollout.samples_per_profile": 1}, "a group of one has advantage 0"),
     ("grpo", {"rl.reward": "turn"}, "rl.reward='turn': per-turn rewards are a PPO ablation"),
     ("ppo", {"rl.loss_agg": "sum"}, "rl.loss_agg='sum': expected one of"),

@@ -105,7 +105,9 @@ def test_plan_compiles_every_program_on_eight_fake_devices():
   assert policy["argument_gib"] >= 3 * weights
   assert programs["policy_update"]["argument_gib"] < policy["argument_gib"] / 4
   # Policy (+ Adam), critic (+ Adam) and the reference copy stay resident.
-  assert sharded["resident_gib"] == pytest.approx(7 * weights / 8, rel=0.05)
+  # ... and the sampler's bf16 copy, sharded like the weights (train layout: 8 ways).
+  assert sharded["sampling_copy_gib"] == pytest.approx(weights / 2 / 8, rel=0.05)
+  assert sharded["resident_gib"] == pytest.approx(7 * weights / 8 + weights / 16, rel=0.05)
   assert sharded["kv_cache_gib"] == pytest.approx(
       2 * 2 * 8 * 128 * 2 * 64 * 2 / 2 ** 30 / 8)  # batch over fsdp=4, 2 kv heads over tensor=2
 
@@ -114,12 +116,17 @@ def test_plan_cli_prints_a_verdict(tmp_path):
   out = subprocess.run(
       ["python", "-m", "rlver_jax.plan", "--model=qwen2.5-0.5b", "--layers=1",
        "--mesh=data=1,fsdp=2,tensor=2", "--fake_devices=4", "--batch=4", "--seq_len=64",
-       "--device_memory_gib=16", f"--out={tmp_path / 'plan.json'}"],
+       "--device_memory_gib=16", "--sampling_layout=decode", f"--out={tmp_path / 'plan.json'}"],
       cwd=ROOT, capture_output=True, text=True, timeout=300,
       env={**os.environ, "XLA_FLAGS": ""})
   assert out.returncode == 0, out.stderr[-2000:]
   assert "verdict: fits in 16 GiB per device" in out.stdout
-  assert json.loads((tmp_path / "plan.json").read_text())["mesh"]["tensor"] == 2
+  result = json.loads((tmp_path / "plan.json").read_text())
+  assert result["mesh"]["tensor"] == 2
+  # The decode layout keeps the bf16 copy whole over fsdp, split over tensor=2 only.
+  assert "the sampler's bfloat16 copy (decode layout)" in out.stdout
+  assert result["sampling_copy_gib"] == pytest.approx(
+      result["unsharded_weights_gib"] / 2 / 2, rel=0.05)
 
 
 def test_run_tpu_sh_drives_gcloud_on_all_workers(tmp_path):
