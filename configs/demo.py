@@ -24,7 +24,7 @@ def get_config(arg: str = ""):
     raise ValueError(f"unknown config variant {arg!r}; use one of {VARIANTS}")
   c = ppo.base_config("think" if arg == "think" else "")
   c.workdir = "/tmp/rlver_demo"
-  c.steps = 60
+  c.steps = 80
   c.batch_size = 16
 
   c.policy.tiny_init = True

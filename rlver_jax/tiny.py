@@ -6,6 +6,7 @@ tokenizer with a ChatML chat template), just small: random, or, with
 `warmup_steps`, a tiny "instruct model" (`warm_up`).
 
   python -m rlver_jax.tiny --out=/tmp/tiny_qwen2            # write a checkpoint
+  python -m rlver_jax.tiny --out=/tmp/tiny_qwen2 --warmup_steps=300   # the demo's start
   python -m rlver_jax.tiny --build_tokenizer                # rebuild the shipped tokenizer
 """
 
@@ -140,6 +141,7 @@ def warm_up(model: qwen2.Qwen2, tokenizer, *, steps: int, system_prompt: str = "
 
   opt_state = tx.init(params)
   start = time.perf_counter()
+  logging.info("warming up the tiny policy: %d supervised steps (a minute or so on CPU)", steps)
   for i in range(steps):
     rows = slice(i * batch_size, (i + 1) * batch_size)
     params, opt_state, loss = step(params, opt_state, tokens_nt[rows], mask_nt[rows])
@@ -176,7 +178,8 @@ def main(argv):
   if build:
     build_tokenizer()
   if out:
-    config = write_checkpoint(out, seed=seed)
+    config = write_checkpoint(out, seed=seed, warmup_steps=flags.FLAGS.warmup_steps,
+                              system_prompt=flags.FLAGS.system_prompt)
     logging.info("tiny Qwen2 (%d layers, width %d, vocab %d) written to %s",
                  config.num_layers, config.hidden_size, config.vocab_size, out)
   if not (build or out):
@@ -187,5 +190,9 @@ if __name__ == "__main__":
   # Flags are defined only when run as a program, so importing this module adds none.
   flags.DEFINE_string("out", None, "directory for a tiny random checkpoint")
   flags.DEFINE_integer("seed", 0, "init seed")
+  flags.DEFINE_integer("warmup_steps", 0, "supervised warm-up steps (rlver_jax/assets/"
+                       "tiny_warmup.json); 0: random weights")
+  flags.DEFINE_string("system_prompt", "You are a caring listener.",
+                      "the system prompt of the warm-up chats")
   flags.DEFINE_bool("build_tokenizer", False, "rebuild the shipped tokenizer")
   app.run(main)
