@@ -92,9 +92,12 @@ def test_two_processes_of_two_devices_match_one_of_four(tmp_path):
   a, b = read_metrics(one), read_metrics(two)
   assert [r["step"] for r in b] == [1, 2]  # one metrics file, written once
   for ra, rb in zip(a, b):
-    for key in ("reward/mean", "emotion/final_mean", "turns/mean", "response_len/mean",
-                "samples", "tokens/generated"):
+    for key in ("samples", "tokens/generated"):
       assert ra[key] == rb[key], (ra["step"], key)
+    # The same dialogues; a mean over two hosts is a weighted sum of theirs, added in
+    # another order than one host's, so it may differ in the last bit.
+    for key in ("reward/mean", "emotion/final_mean", "turns/mean", "response_len/mean"):
+      assert ra[key] == pytest.approx(rb[key], rel=1e-12, abs=1e-12), (ra["step"], key)
     end_counts = lambda r: {k: v for k, v in r.items() if k.startswith("sim/end/")}
     assert end_counts(ra) == end_counts(rb) != {}, ra["step"]  # how the dialogues ended
     for key in ("value_loss", "pg_loss", "grad_norm", "entropy"):
