@@ -22,7 +22,8 @@ from tests.test_multiprocess import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = [f"--config={ROOT}/configs/demo.py", "--config.batch_size=4",
-        "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1"]
+        "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1",
+        "--config.policy.tiny_warmup_steps=2"]
 
 
 def launch(workdir, processes: int, devices: int, *flags, heartbeat_s: int = 60,

@@ -289,10 +289,12 @@ def test_fitting_replies_raise_emotion_and_missing_ones_lower_it():
   user = make_user()
   good, bad = user.start([demo("be_listened_to"), demo("be_listened_to")])
   assert good.history[0]["content"] == demo("be_listened_to").first_talk
-  for _ in range(3):  # two fitting phrases +20; two missing ones ("you should", "try to") -10
+  # Two fitting phrases +20; two missing ones ("you should", "try to") and another need's key
+  # word ("try", advice) -15.
+  for _ in range(3):
     user.respond([good, bad], ["I am listening, tell me more.", "You should try to relax."])
   assert good.emotions == [30, 50, 70, 90]
-  assert bad.emotions == [30, 20, 10, 0] and bad.end_reason == dynamics.FAILURE
+  assert bad.emotions == [30, 15, 0] and bad.end_reason == dynamics.FAILURE
   assert bad.reward == 0.0 and good.reward == pytest.approx(0.9)
   planning = good.history[2]["planning"]
   assert planning["change"] == 20 and "TargetCompletion" in planning
@@ -319,13 +321,16 @@ class CountingBackend(ScriptedBackend):
     return super().complete(requests)
 
 
+NEUTRAL = "Good, but you should have."  # to someone who wants praise: +10 - 5 - 5
+
+
 def run_neutral_dialogue(rules):
-  """A dialogue of replies that neither fit nor miss: only the turn limit ends it."""
+  """A dialogue of replies whose fit and misses cancel out: only the turn limit ends it."""
   backend = CountingBackend()
   user = make_user(backend, rules=rules)
   [d] = user.start([demo("be_praised")])
   while not d.done:
-    user.respond([d], ["Hmm, okay."])
+    user.respond([d], [NEUTRAL])
   judged = [m for m in d.history if m["role"] == "user" and "planning" in m]
   return d, judged, backend
 
@@ -334,7 +339,7 @@ def test_sage_rules_end_with_the_10th_reply_unjudged():
   d, judged, backend = run_neutral_dialogue(dynamics.SAGE_BENCHMARK)
   assert d.end_reason == dynamics.MAX_TURNS and d.agent_turns == 10
   assert len(judged) == 9 and len(d.emotions) == 10
-  assert d.history[-1] == {"role": "assistant", "content": "Hmm, okay."}
+  assert d.history[-1] == {"role": "assistant", "content": NEUTRAL}
   assert backend.calls == {"planning": 9, "reply": 9}  # no call for the 10th reply
 
 

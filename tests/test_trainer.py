@@ -28,6 +28,7 @@ def small_demo(workdir, **overrides):
   config.steps = 3
   config.batch_size = 4
   config.rollout.max_new_tokens = 8
+  config.policy.tiny_warmup_steps = 2  # the warm-up itself is tested in test_demo.py
   config.checkpoint.every = 1
   config.mesh = {"data": 1, "fsdp": 1, "tensor": 1}
   for key, value in overrides.items():
@@ -112,7 +113,7 @@ def test_killed_run_redoes_only_the_step_in_flight(tmp_path):
   args = [sys.executable, "-m", "rlver_jax.main", f"--config={ROOT}/configs/demo.py",
           f"--config.workdir={tmp_path}", "--config.steps=4", "--config.batch_size=4",
           "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1",
-          "--config.mesh.fsdp=1"]
+          "--config.mesh.fsdp=1", "--config.policy.tiny_warmup_steps=2"]
   env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
   with open(tmp_path / "first.log", "w") as log:
     first = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log)
