@@ -131,8 +131,9 @@ def warm_up(model: qwen2.Qwen2, tokenizer, *, steps: int, system_prompt: str = "
   @jax.jit
   def step(params, opt_state, tokens_bt, mask_bt):
     def loss_fn(params):
-      hidden_btd, _ = nnx.merge(graphdef, params).backbone(tokens_bt[:, :-1])
-      logits_btv = nnx.merge(graphdef, params).logits(hidden_btd)
+      model = nnx.merge(graphdef, params)
+      hidden_btd, _ = model.backbone(tokens_bt[:, :-1])
+      logits_btv = model.logits(hidden_btd)
       nll_bt = optax.softmax_cross_entropy_with_integer_labels(logits_btv, tokens_bt[:, 1:])
       return jnp.sum(nll_bt * mask_bt[:, 1:]) / jnp.sum(mask_bt[:, 1:])
     loss, grads = jax.value_and_grad(loss_fn)(params)
