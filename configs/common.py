@@ -13,6 +13,7 @@ def policy_config() -> ml_collections.ConfigDict:
   c.checkpoint = ""  # an HF Qwen2 directory
   c.tiny_init = False  # demo only: write and use a tiny checkpoint
   c.tiny_warmup_steps = 0  # with tiny_init: supervised steps on rlver_jax/assets/tiny_warmup.json
+  c.tiny_warmup_helpfulness = 0.0  # in them, the share of replies that serve the user's need
   c.dtype = "bfloat16"  # compute dtype
   c.param_dtype = "float32"
   c.remat = True

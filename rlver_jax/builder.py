@@ -102,8 +102,8 @@ def generation_policy(checkpoint: str, dtype: str, mesh_axes: dict | None,
 def resolve_policy_checkpoint(config) -> str:
   """`policy.checkpoint`, or with `policy.tiny_init` the tiny one (written once).
 
-  The tiny one is warmed up (`policy.tiny_warmup_steps`) with the run's own
-  system prompt.
+  The tiny one is warmed up (`policy.tiny_warmup_steps`,
+  `policy.tiny_warmup_helpfulness`) with the run's own system prompt.
   """
   if config.policy.tiny_init:
     path = os.path.join(config.workdir, "init_policy")
@@ -112,6 +112,7 @@ def resolve_policy_checkpoint(config) -> str:
                                              language=config.sim_user.language,
                                              thinking=config.rollout.thinking)
       tiny.write_checkpoint(path, seed=config.seed, warmup_steps=config.policy.tiny_warmup_steps,
+                            warmup_helpfulness=config.policy.tiny_warmup_helpfulness,
                             system_prompt=system_prompt)
     multihost.barrier("tiny init policy written")  # the other hosts read process 0's files
     return path

@@ -75,20 +75,31 @@ def load_tokenizer():
   return AutoTokenizer.from_pretrained(TOKENIZER_DIR)
 
 
-def warmup_dialogues(tokenizer, system_prompt: str, count: int, seed: int,
+# Warm-up chats in which the user has a need; the rest are small talk, which keeps replies to
+# a user who names no need uniform over the kinds.
+WARMUP_NEED_SHARE = 0.75
+
+
+def warmup_dialogues(tokenizer, system_prompt: str, count: int, seed: int, helpfulness: float,
                      max_rounds: int = 3) -> tuple[np.ndarray, np.ndarray]:
   """`count` chats of everyday user lines and supportive replies, as tokens and a loss mask.
 
   Returns `tokens_bt` (right-padded with the pad id) and `reply_mask_bt`, True
-  on every reply token and its end-of-turn token. Each reply's kind of
-  support (`tiny_warmup.json`: one kind per hidden intention of the demo's
-  user, plus general encouragement) is drawn uniformly and independently of
-  the user's line, which names no need: the warmed-up policy speaks every
-  kind of support equally and knows nothing of who needs which.
+  on every reply token and its end-of-turn token. Replies come in kinds
+  (`tiny_warmup.json`: one kind per hidden intention of the demo's user, plus
+  general encouragement). Some chats (1 - `WARMUP_NEED_SHARE`) are small
+  talk (`user_lines`) answered with kinds drawn uniformly. In the others the
+  user has a need: it opens with one of that need's `need_lines` (in its own
+  words, not the scripted user's hints) and later says one again or makes
+  small talk; each reply serves that need with probability `helpfulness` and
+  is otherwise of a uniformly drawn kind. So the warmed-up policy speaks
+  every kind of support and is only weakly aware of whose need is whose, as
+  an instruct model is before RLVER; RL has to make that awareness reliable.
   """
   with open(WARMUP) as f:
     corpus = json.load(f)
   kinds = sorted(corpus["replies"])
+  needs = sorted(corpus["need_lines"])
   formatter = chat.ChatFormatter(tokenizer)
   end_of_turn = tokenizer.convert_tokens_to_ids(formatter.end_of_turn)
   rng = np.random.default_rng(seed)
@@ -96,11 +107,17 @@ def warmup_dialogues(tokenizer, system_prompt: str, count: int, seed: int,
   for _ in range(count):
     messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
     tokens, mask = [], []
-    for _ in range(rng.integers(1, max_rounds + 1)):
-      messages.append({"role": "user", "content": str(rng.choice(corpus["user_lines"]))})
+    need = needs[rng.integers(len(needs))] if rng.random() < WARMUP_NEED_SHARE else None
+    for round_ in range(rng.integers(1, max_rounds + 1)):
+      # Needs stated later too, or only at the opening: the policy learns to look back to it.
+      says_need = need is not None and (round_ == 0 or rng.random() < 0.5)
+      line = rng.choice(corpus["need_lines"][need] if says_need else corpus["user_lines"])
+      messages.append({"role": "user", "content": str(line)})
       # The dialogue so far renders as a prefix: only its new part is added.
       prompt = formatter.prompt_ids(messages)[len(tokens):]
-      reply = str(rng.choice(corpus["replies"][kinds[rng.integers(len(kinds))]]))
+      helps = need is not None and rng.random() < helpfulness
+      kind = need if helps else kinds[rng.integers(len(kinds))]
+      reply = str(rng.choice(corpus["replies"][kind]))
       reply_ids = formatter.encode(reply) + [end_of_turn]
       tokens += prompt + reply_ids
       mask += [False] * len(prompt) + [True] * len(reply_ids)
@@ -115,8 +132,9 @@ def warmup_dialogues(tokenizer, system_prompt: str, count: int, seed: int,
   return tokens_bt, reply_mask_bt
 
 
-def warm_up(model: qwen2.Qwen2, tokenizer, *, steps: int, system_prompt: str = "", seed: int = 0,
-            batch_size: int = 32, learning_rate: float = 3e-3) -> float:
+def warm_up(model: qwen2.Qwen2, tokenizer, *, steps: int, helpfulness: float,
+            system_prompt: str = "", seed: int = 0, batch_size: int = 32,
+            learning_rate: float = 3e-3) -> float:
   """Fine-tunes `model` in place on `warmup_dialogues`; returns the last batch's loss.
 
   A random-init model emits garbled subwords, and an RL run from there spends
@@ -124,7 +142,8 @@ def warm_up(model: qwen2.Qwen2, tokenizer, *, steps: int, system_prompt: str = "
   already offers every kind of support; this gives the tiny demo policy that
   start, so its RL run is about whom to offer which kind.
   """
-  tokens_nt, mask_nt = warmup_dialogues(tokenizer, system_prompt, steps * batch_size, seed)
+  tokens_nt, mask_nt = warmup_dialogues(tokenizer, system_prompt, steps * batch_size, seed,
+                                       helpfulness)
   graphdef, params = nnx.split(model)
   tx = optax.adam(learning_rate)
 
@@ -154,11 +173,12 @@ def warm_up(model: qwen2.Qwen2, tokenizer, *, steps: int, system_prompt: str = "
 
 
 def write_checkpoint(out_dir: str, *, seed: int = 0, warmup_steps: int = 0,
-                     system_prompt: str = "", **config_overrides) -> qwen2.Qwen2Config:
+                     warmup_helpfulness: float = 0.0, system_prompt: str = "",
+                     **config_overrides) -> qwen2.Qwen2Config:
   """A tiny Qwen2 sized for the shipped tokenizer, saved with it in HF layout.
 
-  Random-init, then `warmup_steps` of `warm_up` (with `system_prompt`, the
-  one its RL run will use).
+  Random-init, then `warmup_steps` of `warm_up` (with `warmup_helpfulness`
+  and `system_prompt`, the one its RL run will use).
   """
   tokenizer = load_tokenizer()
   vocab = -(-len(tokenizer) // 64) * 64  # padded like real checkpoints' embeddings
@@ -166,7 +186,8 @@ def write_checkpoint(out_dir: str, *, seed: int = 0, warmup_steps: int = 0,
                        **config_overrides)
   model = qwen2.init_random(config, seed=seed)
   if warmup_steps:
-    warm_up(model, tokenizer, steps=warmup_steps, system_prompt=system_prompt, seed=seed)
+    warm_up(model, tokenizer, steps=warmup_steps, helpfulness=warmup_helpfulness,
+            system_prompt=system_prompt, seed=seed)
   qwen2.save_pretrained(model, out_dir)
   for name in os.listdir(TOKENIZER_DIR):
     shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(out_dir, name))
@@ -180,6 +201,7 @@ def main(argv):
     build_tokenizer()
   if out:
     config = write_checkpoint(out, seed=seed, warmup_steps=flags.FLAGS.warmup_steps,
+                              warmup_helpfulness=flags.FLAGS.warmup_helpfulness,
                               system_prompt=flags.FLAGS.system_prompt)
     logging.info("tiny Qwen2 (%d layers, width %d, vocab %d) written to %s",
                  config.num_layers, config.hidden_size, config.vocab_size, out)
@@ -193,6 +215,8 @@ if __name__ == "__main__":
   flags.DEFINE_integer("seed", 0, "init seed")
   flags.DEFINE_integer("warmup_steps", 0, "supervised warm-up steps (rlver_jax/assets/"
                        "tiny_warmup.json); 0: random weights")
+  flags.DEFINE_float("warmup_helpfulness", 0.3, "in the warm-up, the share of replies to a "
+                     "user with a need that serve it")
   flags.DEFINE_string("system_prompt", "You are a caring listener.",
                       "the system prompt of the warm-up chats")
   flags.DEFINE_bool("build_tokenizer", False, "rebuild the shipped tokenizer")

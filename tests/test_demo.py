@@ -1,6 +1,7 @@
 """The demo's scripted user rewards intention-aware replies and not the reward hack, and the
 demo policy learns them."""
 
+import collections
 import json
 import os
 
@@ -17,11 +18,11 @@ from rlver_jax import policy as policy_lib
 from rlver_jax import tiny, trainer
 from sim_user import dynamics, profiles, templates
 from sim_user.backends import scripted
-from sim_user.backends.scripted import KEY_WORDS, ScriptedBackend, is_natural_language, judge
+from sim_user.backends.scripted import HINTS, KEY_WORDS, ScriptedBackend, is_natural_language, judge
 from sim_user.simulator import SimulatedUser
 
 DEMO = profiles.load_profiles(profiles.DEMO_PROFILES)
-TRAIN_STEPS = 40  # of the demo's 60
+TRAIN_STEPS = 40  # of the demo's 80
 WARMUP_STEPS = 150  # of the demo's 300: enough to speak, not to speak as well
 
 
@@ -159,19 +160,33 @@ def learned_intentions(records, rise):
                                                                    f"emotion/final/{i}") + rise]
 
 
-def test_the_demo_learns_whom_to_offer_which_support(tmp_path):
-  """Shortened: success and the emotion of several intentions rise, each served its own way."""
-  records, replies = train_demo(tmp_path, TRAIN_STEPS)
+def assert_learns_intentions(records, replies, *, rise, success, learned_at_least):
+  """Mean final emotion up by `rise`, success over the last 5 steps above `success`, and at
+  least `learned_at_least` intentions up by 30, each most often told a reply that serves it
+  (so the replies differ by intention)."""
   first, last = records[:5], records[-5:]
-  assert mean_of(last, "emotion/final_mean") >= mean_of(first, "emotion/final_mean") + 10
-  assert mean_of(last, "success_rate") > mean_of(first, "success_rate")
+  assert mean_of(last, "emotion/final_mean") >= mean_of(first, "emotion/final_mean") + rise
+  assert mean_of(last, "success_rate") > max(success, mean_of(first, "success_rate"))
   learned = learned_intentions(records, rise=30)
-  assert len(learned) >= 2, [(i, [r[f"emotion/final/{i}"] for r in records])
-                             for i in profiles.INTENTIONS]
-  # What each learned intention hears most often serves it, so it differs by intention.
+  assert len(learned) >= learned_at_least, [(i, [r[f"emotion/final/{i}"] for r in records])
+                                            for i in profiles.INTENTIONS]
   for intention in learned:
     assert judge(replies[intention]["top"][0]["reply"], intention, "vanilla").change > 0, (
         intention, replies[intention])
+
+
+def test_the_demo_learns_whom_to_offer_which_support(tmp_path):
+  """Shortened: success and the emotion of several intentions rise, each served its own way."""
+  records, replies = train_demo(tmp_path, TRAIN_STEPS)
+  assert_learns_intentions(records, replies, rise=20, success=20, learned_at_least=3)
+
+
+@pytest.mark.slow
+def test_the_whole_demo_reaches_the_issues_targets(tmp_path):
+  """The README's main command as shipped: mean final emotion up by 30 or more, success above
+  50% by its end, and most intentions served each their own way."""
+  records, replies = train_demo(tmp_path, demo.get_config().steps)
+  assert_learns_intentions(records, replies, rise=30, success=50, learned_at_least=5)
 
 
 def test_eval_with_a_baseline_prints_before_and_after(tmp_path, capsys):
@@ -202,9 +217,10 @@ def warmup_corpus():
     return json.load(f)
 
 
-def test_the_warmup_corpus_offers_every_kind_of_support_and_tells_no_need():
-  """Each reply serves its own intention fully and lets every other down; user lines hint at
-  nothing; every reply fits the demo's reply length with its end-of-turn token."""
+def test_the_warmup_corpus_offers_every_kind_of_support_and_its_users_say_their_needs_their_way():
+  """Each reply serves its own intention fully and lets every other down; small-talk lines
+  hint at nothing; need lines name their own need only, in other words than the scripted
+  user's hints; every reply fits the demo's reply length with its end-of-turn token."""
   corpus, tokenizer = warmup_corpus(), tiny.load_tokenizer()
   assert set(corpus["replies"]) == set(profiles.INTENTIONS) | {"encouragement"}
   for kind, replies in corpus["replies"].items():
@@ -218,11 +234,17 @@ def test_the_warmup_corpus_offers_every_kind_of_support_and_tells_no_need():
     for intention in profiles.INTENTIONS:
       verdict = judge(line, intention, "vanilla")
       assert not (verdict.fits or verdict.other_needs or verdict.misses), (line, intention)
+  assert set(corpus["need_lines"]) == set(profiles.INTENTIONS)
+  for need, lines in corpus["need_lines"].items():
+    for line in lines:
+      assert not any(line in hint or hint in line for hint in HINTS["en"].values()), line
+      assert judge(line, need, "vanilla").fits and not judge(line, need, "vanilla").other_needs
 
 
 def test_warmup_dialogues_train_on_the_replies_and_their_end_of_turn_only():
   tokenizer = tiny.load_tokenizer()
-  tokens_bt, reply_mask_bt = tiny.warmup_dialogues(tokenizer, "Be kind.", count=6, seed=0)
+  tokens_bt, reply_mask_bt = tiny.warmup_dialogues(tokenizer, "Be kind.", count=6, seed=0,
+                                                   helpfulness=0.3)
   replies = {r for rs in warmup_corpus()["replies"].values() for r in rs}
   for tokens, mask in zip(tokens_bt, reply_mask_bt):
     text = tokenizer.decode(tokens[mask])
@@ -231,12 +253,43 @@ def test_warmup_dialogues_train_on_the_replies_and_their_end_of_turn_only():
     assert tokenizer.decode(tokens[~mask]).startswith("<|im_start|>system\nBe kind.<|im_end|>")
 
 
+def warmup_chats(helpfulness: float, count: int = 400) -> list[tuple[str | None, list[str]]]:
+  """Each warm-up chat's need (from its opening line; None: small talk) and reply kinds."""
+  corpus, tokenizer = warmup_corpus(), tiny.load_tokenizer()
+  need_of = {line: need for need, lines in corpus["need_lines"].items() for line in lines}
+  kind_of = {reply: kind for kind, replies in corpus["replies"].items() for reply in replies}
+  tokens_bt, reply_mask_bt = tiny.warmup_dialogues(tokenizer, "", count=count, seed=1,
+                                                   helpfulness=helpfulness)
+  chats = []
+  for tokens, mask in zip(tokens_bt, reply_mask_bt):
+    opening = tokenizer.decode(tokens[~mask]).split("<|im_start|>user\n")[1].split("<|im_end|>")[0]
+    said = tokenizer.decode(tokens[mask]).split("<|im_end|>")[:-1]
+    chats.append((need_of.get(opening), [kind_of[reply] for reply in said]))
+  return chats
+
+
+def test_the_warmup_serves_a_stated_need_as_often_as_its_helpfulness_says():
+  """Helpfulness 1: every reply to a user with a need serves it; 0: kinds are uniform, needs
+  are ignored; small talk always gets uniform kinds. Both kinds of chat occur."""
+  for helpfulness, lowest, highest in ((1.0, 1.0, 1.0), (0.0, 0.0, 0.25), (0.3, 0.3, 0.5)):
+    chats = warmup_chats(helpfulness)
+    served = [kind == need for need, kinds in chats if need for kind in kinds]
+    assert lowest <= np.mean(served) <= highest, (helpfulness, np.mean(served))
+    small_talk = collections.Counter(kind for need, kinds in chats if need is None
+                                     for kind in kinds)
+    expected = sum(small_talk.values()) / 9
+    assert len(small_talk) == 9 and 0.5 * expected < min(small_talk.values()) and (
+        max(small_talk.values()) < 2 * expected), small_talk
+
+
 def test_the_warmed_up_policy_speaks_every_kind_of_support_to_anyone(tmp_path):
   """RLVER starts from an instruct model: the demo's starts from one that writes sentences,
   of every kind, whoever it talks to (the RL run then learns whom to give which)."""
   checkpoint = str(tmp_path / "policy")
+  config = demo.get_config()
   tiny.write_checkpoint(checkpoint, seed=0, warmup_steps=WARMUP_STEPS,
-                        system_prompt=demo.get_config().rollout.system_prompt)
+                        warmup_helpfulness=config.policy.tiny_warmup_helpfulness,
+                        system_prompt=config.rollout.system_prompt)
   policy = policy_lib.load_policy(checkpoint)
   prompts = [policy.formatter.prompt_ids([{"role": "system", "content": "You are a caring listener."},
                                    {"role": "user", "content": p.first_talk}])
