@@ -28,8 +28,11 @@ tokens contiguously, see `KVCache`) and each row's next-token logits.
 `decode_rows` runs one jitted chunk of at most `decode_chunk_steps` steps for
 chosen rows (per-row token budgets, keys and stop tokens) and hands back
 what each produced. Rows not chosen keep their cache and cost nothing: a call
-gathers its rows into a small batch, runs, and scatters them back. Row
-counts are padded to `row_bucket` sizes, token counts to powers of two.
+gathers its rows into a small batch, runs, and scatters them back. On a mesh
+each data shard gathers the chosen rows it holds (no cache row crosses
+devices) and a call decodes as many rows on every shard, so callers choose
+rows spread evenly over the shards (`RowBatch.shard`). Row counts are padded
+to `row_bucket` sizes, token counts to powers of two.
 """
 
 from __future__ import annotations
