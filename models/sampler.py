@@ -618,22 +618,22 @@ def _row_specs(axes) -> tuple[KVCache, PartitionSpec]:
                  length=rows), rows
 
 
-def _on_each_shard(fn, cache: KVCache, logits_bv, index_k, *row_args):
-  """`fn(cache, logits_bv, index_k, *row_args)` run by every data shard on its own rows.
+def _on_each_shard(fn, *args):
+  """`fn(*args)` run by every data shard on its own rows; fn returns (cache, logits).
 
-  Each shard sees its own rows of the cache and logits, its own entries of
-  `index_k` (the local ids of rows it holds, see `Sampler._row_index`) and of
-  `row_args` (gathered rows: a KVCache and logits), so a row call moves no
-  cache row between shards; the partitioner would otherwise all-gather the
-  whole cache to take a few rows. Returns fn's (cache, logits), split alike.
+  Each argument is a per-row KVCache or an array with a leading batch axis
+  (logits, `index_k`); each shard sees its own rows of them, and its entries
+  of `index_k` are the local ids of rows it holds (see `Sampler._row_index`),
+  so a row call moves no cache row between shards (the partitioner, left to
+  take rows by global ids, all-gathers the whole cache).
   """
   axes = _batch_mesh_axes()
   if not axes:
-    return fn(cache, logits_bv, index_k, *row_args)
+    return fn(*args)
   cache_spec, rows = _row_specs(axes)
-  specs = (cache_spec, rows, rows, *(cache_spec, rows)[:len(row_args)])
-  return jax.shard_map(fn, in_specs=specs, out_specs=(cache_spec, rows),
-                       axis_names=set(axes))(cache, logits_bv, index_k, *row_args)
+  in_specs = tuple(cache_spec if isinstance(arg, KVCache) else rows for arg in args)
+  return jax.shard_map(fn, in_specs=in_specs, out_specs=(cache_spec, rows),
+                       axis_names=set(axes))(*args)
 
 
 def _gather_rows(cache: KVCache, logits_bv, index_k, slots: int):
