@@ -610,43 +610,51 @@ def _batch_mesh_axes() -> tuple[str, ...]:
   return () if mesh.empty else partitioning.mesh_axes("batch", mesh)
 
 
-def _row_specs(axes) -> tuple[KVCache, PartitionSpec]:
-  """PartitionSpecs of a per-row cache and of arrays with a leading batch axis (logits, row
-  ids) split over the batch mesh axes `axes`; other mesh axes are left to the partitioner."""
-  rows = PartitionSpec(axes)
-  return KVCache(k=PartitionSpec(None, axes), v=PartitionSpec(None, axes), kv_positions_bs=rows,
-                 length=rows), rows
+def _on_each_shard(fn, args, batch_dims, out_batch_dims):
+  """`fn(*args)` run by every data shard on its own rows: each array of `args` and of fn's
+  results (a tuple) is split over the batch mesh axes at its axis in `batch_dims` and
+  `out_batch_dims`; other mesh axes are left to the partitioner.
 
-
-def _on_each_shard(fn, *args):
-  """`fn(*args)` run by every data shard on its own rows; fn returns (cache, logits).
-
-  Each argument is a per-row KVCache or an array with a leading batch axis
-  (logits, `index_k`); each shard sees its own rows of them, and its entries
-  of `index_k` are the local ids of rows it holds (see `Sampler._row_index`),
-  so a row call moves no cache row between shards (the partitioner, left to
-  take rows by global ids, all-gathers the whole cache).
+  Each shard's entries of `index_k` are the local ids of rows it holds (see
+  `Sampler._row_index`), so a row call moves no cache row between shards (the
+  partitioner, left to take rows by global ids, all-gathers the whole cache).
   """
   axes = _batch_mesh_axes()
   if not axes:
     return fn(*args)
-  cache_spec, rows = _row_specs(axes)
-  in_specs = tuple(cache_spec if isinstance(arg, KVCache) else rows for arg in args)
-  return jax.shard_map(fn, in_specs=in_specs, out_specs=(cache_spec, rows),
-                       axis_names=set(axes))(*args)
+  spec = lambda dim: PartitionSpec(*(None,) * dim, axes)
+  return jax.shard_map(fn, in_specs=tuple(map(spec, batch_dims)),
+                       out_specs=tuple(map(spec, out_batch_dims)), axis_names=set(axes))(*args)
+
+
+def _global_rows(index_k, batch: int):
+  """The global row ids of `index_k` (per data shard, local ids), padding -> `batch`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = math.prod(mesh.shape[a] for a in _batch_mesh_axes())
+  held, per_shard = batch // shards, index_k.shape[0] // shards
+  first_row_k = jnp.arange(index_k.shape[0]) // per_shard * held
+  return jnp.where(index_k < held, first_row_k + index_k, batch)
+
+
+# Batch axes of (k, v, kv_positions_bs, logits): the cache's k and v are [L, B, S, K, H].
+_ROW_ARRAYS_BATCH_DIMS = (1, 1, 0, 0)
 
 
 def _gather_rows(cache: KVCache, logits_bv, index_k, slots: int):
   """The first `slots` cache slots and the logits of the rows `index_k` names: per data
   shard, local ids of rows in that shard (out-of-range ids read the shard's last row)."""
 
-  def take_local(cache, logits_bv, index_k):
+  def take_local(k, v, kv_positions_bs, logits_bv, index_k):
     take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")
-    return KVCache(k=take(cache.k, 1)[:, :, :slots], v=take(cache.v, 1)[:, :, :slots],
-                   kv_positions_bs=take(cache.kv_positions_bs, 0)[:, :slots],
-                   length=take(cache.length, 0)), take(logits_bv, 0)
+    return (take(k, 1)[:, :, :slots], take(v, 1)[:, :, :slots],
+            take(kv_positions_bs, 0)[:, :slots], take(logits_bv, 0))
 
-  return _on_each_shard(take_local, cache, logits_bv, index_k)
+  k, v, kv_positions_bs, row_logits_kv = _on_each_shard(
+      take_local, (cache.k, cache.v, cache.kv_positions_bs, logits_bv, index_k),
+      _ROW_ARRAYS_BATCH_DIMS + (0,), _ROW_ARRAYS_BATCH_DIMS)
+  # Per-row lengths are whole on every device (`Sampler` places them so): taken by global id.
+  length = jnp.take(cache.length, _global_rows(index_k, logits_bv.shape[0]), mode="clip")
+  return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs, length=length), row_logits_kv
 
 
 def _scatter_rows(cache: KVCache, logits_bv, index_k, rows: KVCache, row_logits_kv):
@@ -654,17 +662,21 @@ def _scatter_rows(cache: KVCache, logits_bv, index_k, rows: KVCache, row_logits_
   shard, local ids; out-of-range ids are dropped)."""
   slots = rows.max_len
 
-  def put_local(cache, logits_bv, index_k, rows, row_logits_kv):
-    put = lambda x, new: x.at[index_k].set(new, mode="drop")
+  def put_local(k, v, kv_positions_bs, logits_bv, index_k, row_k, row_v, row_positions,
+                row_logits_kv):
     put_slots = lambda x, new: x.at[:, index_k, :slots].set(new, mode="drop")
-    return KVCache(k=put_slots(cache.k, rows.k), v=put_slots(cache.v, rows.v),
-                   kv_positions_bs=cache.kv_positions_bs.at[index_k, :slots].set(
-                       rows.kv_positions_bs, mode="drop"),
-                   length=put(cache.length, rows.length)), put(logits_bv, row_logits_kv)
+    return (put_slots(k, row_k), put_slots(v, row_v),
+            kv_positions_bs.at[index_k, :slots].set(row_positions, mode="drop"),
+            logits_bv.at[index_k].set(row_logits_kv, mode="drop"))
 
-  cache, logits_bv = _on_each_shard(put_local, cache, logits_bv, index_k, rows, row_logits_kv)
-  # Per-row lengths stay whole on every device, as `Sampler` places them (a few ints).
-  return cache.replace(length=partitioning.constrain(cache.length, (None,))), logits_bv
+  k, v, kv_positions_bs, logits_bv = _on_each_shard(
+      put_local, (cache.k, cache.v, cache.kv_positions_bs, logits_bv, index_k, rows.k, rows.v,
+                  rows.kv_positions_bs, row_logits_kv),
+      _ROW_ARRAYS_BATCH_DIMS + (0,) + _ROW_ARRAYS_BATCH_DIMS, _ROW_ARRAYS_BATCH_DIMS)
+  length = cache.length.at[_global_rows(index_k, logits_bv.shape[0])].set(rows.length,
+                                                                          mode="drop")
+  return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs,
+                 length=partitioning.constrain(length, (None,))), logits_bv
 
 
 def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt, restart_k, *,

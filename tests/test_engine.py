@@ -146,6 +146,10 @@ def test_rows_spread_unevenly_over_data_shards_equal_the_batch_sampler(model, re
   np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(expected.logprobs),
                              atol=1e-5)
   assert rb.lengths.tolist() == [len(p) + len(t) for p, t in zip(prompts, tokens)]
+  # One row of one shard: the others pad (reading their last row), and write nothing back.
+  sampler.prefill_rows(rb, [5], [[60, 61, 62]])
+  assert rb.lengths[5] == len(prompts[5]) + len(tokens[5]) + 3
+  assert np.asarray(rb.cache.length).tolist() == rb.lengths.tolist()
 
 
 def test_each_chunk_takes_as_many_rows_from_every_data_shard():
