@@ -28,8 +28,11 @@ tokens contiguously, see `KVCache`) and each row's next-token logits.
 `decode_rows` runs one jitted chunk of at most `decode_chunk_steps` steps for
 chosen rows (per-row token budgets, keys and stop tokens) and hands back
 what each produced. Rows not chosen keep their cache and cost nothing: a call
-gathers its rows into a small batch, runs, and scatters them back. Row
-counts are padded to `row_bucket` sizes, token counts to powers of two.
+gathers its rows into a small batch, runs, and scatters them back. On a mesh
+each data shard gathers the chosen rows it holds (no cache row crosses
+devices) and a call decodes as many rows on every shard, so callers choose
+rows spread evenly over the shards (`RowBatch.shard`). Row counts are padded
+to `row_bucket` sizes, token counts to powers of two.
 """
 
 from __future__ import annotations
@@ -38,13 +41,13 @@ import dataclasses
 import functools
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, PartitionSpec
 
 from models import partitioning
 from models.qwen2 import KV_CACHE_AXES, KVCache, Qwen2
@@ -129,12 +132,23 @@ class RowBatch:
   """Device state of dialogue rows handled one at a time (see `Sampler.prefill_rows`).
 
   `lengths` mirrors the cache's per-row lengths on the host (tokens each row holds).
+  The B rows are split over `shards` data shards in blocks: shard s holds rows
+  [s * B / shards, (s + 1) * B / shards).
   """
 
   cache: KVCache  # per-row layout
   logits_bv: jax.Array  # float32 [B, V]: each row's next-token logits
   lengths: np.ndarray  # int [B]
   num_rows: int
+  shards: int = 1
+
+  @property
+  def rows_per_shard(self) -> int:
+    return self.batch_size // self.shards
+
+  def shard(self, row: int) -> int:
+    """The data shard that holds `row`."""
+    return row // self.rows_per_shard
 
   @property
   def capacity(self) -> int:
@@ -436,32 +450,52 @@ class Sampler:
   # Rows, one dialogue at a time.
 
   def row_bucket(self, num_rows: int) -> int:
-    """The compiled row count a call on `num_rows` rows is padded to."""
+    """The compiled row count a `decode_rows` call on `num_rows` rows is padded to, when
+    they are spread evenly over the data shards (see `_row_index`)."""
     return next(s for s in row_bucket_sizes(num_rows, self.data_parallel_size())
                 if s >= num_rows)
 
   def start_rows(self, num_rows: int, capacity: int = 0) -> RowBatch:
     """`num_rows` empty rows (capacity grows on demand)."""
-    batch = math.lcm(num_rows, self.data_parallel_size())
+    shards = self.data_parallel_size()
+    batch = math.lcm(num_rows, shards)
     slots = bucket_size(capacity, self.min_cache_bucket)
     cache = self._place_cache(KVCache.init_rows(self.config, batch, slots, self.cache_dtype))
     logits_bv = self._put(jnp.zeros((batch, self.config.vocab_size), jnp.float32),
                           ("batch", None))
     return RowBatch(cache=cache, logits_bv=logits_bv, lengths=np.zeros(batch, np.int64),
-                    num_rows=num_rows)
+                    num_rows=num_rows, shards=shards)
 
   def _attended_slots(self, rb: RowBatch, needed: int) -> int:
     """Cache slots a row call attends over: a bucket of the most its rows will hold, so the
     attention of short dialogues in a long cache does not scan its empty slots."""
     return min(rb.capacity, bucket_size(needed, self.min_cache_bucket))
 
-  def _row_index(self, rb: RowBatch, rows: Sequence[int], width: int) -> np.ndarray:
-    """Row ids padded to `width` with an out-of-range id (read clamped, written nowhere)."""
+  def _row_index(self, rb: RowBatch, rows: Sequence[int],
+                 width_for: Callable[[int], int]) -> tuple[np.ndarray, np.ndarray]:
+    """Where a row call reads and writes `rows`: (index_k, place of each row in it).
+
+    Each data shard gathers rows of its own only (no cache row crosses
+    shards), so `index_k` is laid out per shard: of its `width` entries, block
+    s (width / shards of them, the batch axis's split) holds the local ids in
+    shard s of the rows it holds, padded with an out-of-range id (read
+    clamped, written nowhere). The width is `width_for(shards x the most rows
+    any one shard holds)`: rows spread evenly over the shards pad least.
+    """
     if len(set(rows)) != len(rows) or any(not 0 <= r < rb.num_rows for r in rows):
       raise IndexError(f"rows {list(rows)}: need distinct rows in [0, {rb.num_rows})")
-    index = np.full(width, rb.batch_size, np.int32)
-    index[:len(rows)] = rows
-    return index
+    by_shard = [[] for _ in range(rb.shards)]
+    for place, row in enumerate(rows):
+      by_shard[rb.shard(row)].append(place)
+    width = width_for(rb.shards * max(len(places) for places in by_shard))
+    per_shard = width // rb.shards
+    index_k = np.full(width, rb.rows_per_shard, np.int32)
+    slot_of_row = np.empty(len(rows), np.int64)
+    for shard, places in enumerate(by_shard):
+      for i, place in enumerate(places):
+        slot_of_row[place] = shard * per_shard + i
+        index_k[shard * per_shard + i] = rows[place] - shard * rb.rows_per_shard
+    return index_k, slot_of_row
 
   def prefill_rows(self, rb: RowBatch, rows: Sequence[int], new_tokens: Sequence[Sequence[int]],
                    restart: bool = False) -> None:
@@ -471,7 +505,7 @@ class Sampler:
     if any(not tokens for tokens in new_tokens):
       raise ValueError("every row needs at least one new token")
     # Powers of two: prefill pads a few rows rather than compiling for every row count.
-    index = self._row_index(rb, rows, self._batch_bucket(len(rows)))
+    index, slot_of_row = self._row_index(rb, rows, self._batch_bucket)
     if restart:
       rb.lengths[list(rows)] = 0
     needed = max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens))
@@ -479,7 +513,7 @@ class Sampler:
     width = bucket_size(max(len(t) for t in new_tokens), self.min_chunk_bucket)
     tokens_kt = np.full((len(index), width), self.pad_id, np.int32)
     mask_kt = np.zeros((len(index), width), np.bool_)
-    for k, tokens in enumerate(new_tokens):
+    for k, tokens in zip(slot_of_row, new_tokens):
       tokens_kt[k, :len(tokens)] = tokens  # right-padded: the row's tokens stay contiguous
       mask_kt[k, :len(tokens)] = True
     restart_k = np.full(len(index), restart)
@@ -506,22 +540,33 @@ class Sampler:
     equal `extend`'s with the same key and row id, whatever the chunking;
     greedy decoding needs no keys. `stop_after_finished` > 0 ends the chunk
     early once that many rows finished (their places can then be refilled).
+
+    The call decodes `row_bucket(shards x m)` rows, m the most `rows` any one
+    data shard holds (`RowBatch.shard`): choose rows spread evenly over the
+    shards, a multiple of `data_parallel_size()` of them, and none is padding.
     """
     start = time.perf_counter()
     steps = steps or self.decode_chunk_steps
     if any(b < 1 for b in budgets):
       raise ValueError(f"budgets {list(budgets)}: every row needs at least one token")
-    index = self._row_index(rb, rows, self.row_bucket(len(rows)))
+    index, slot_of_row = self._row_index(rb, rows, self.row_bucket)
     needed = max(int(rb.lengths[r]) + min(b, steps) for r, b in zip(rows, budgets))
     rb.cache = self._grown(rb.cache, needed)
-    width, n = len(index), len(rows)
-    pad = lambda values: np.concatenate([np.asarray(values, np.int32),
-                                         np.zeros(width - n, np.int32)])
+    width = len(index)
+
+    def pad(values):  # each row's value at its slot, 0 (a budget of 0: not decoded) elsewhere
+      padded = np.zeros(width, np.int32)
+      padded[slot_of_row] = values
+      return padded
+
     if keys is None:
       if params.temperature:
         raise ValueError("sampling at temperature > 0 needs keys")
-      keys = [jax.random.key(0)] * n  # drawn from by no row: greedy decoding takes the argmax
-    keys_k = jnp.stack(list(keys) + [keys[0]] * (width - n))
+      keys = [jax.random.key(0)] * len(rows)  # drawn from by no row: greedy takes the argmax
+    slot_keys = [keys[0]] * width
+    for k, key in zip(slot_of_row, keys):
+      slot_keys[k] = key
+    keys_k = jnp.stack(slot_keys)
     with partitioning.mesh_context(self.mesh):
       out = self._decode_rows(
           self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
@@ -534,14 +579,17 @@ class Sampler:
       tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run, rb.cache, rb.logits_bv = out
     tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run = jax.device_get(
         (tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run))
-    finished = [bool(stopped_k[k]) or counts_k[k] >= budgets[k] for k in range(n)]
-    for k, r in enumerate(rows):
-      rb.lengths[r] += int(counts_k[k])
-    self.stats.add(time.perf_counter() - start, width, int(steps_run), int(counts_k[:n].sum()),
+    # Back in the order of `rows`.
+    tokens_kn, logprobs_kn, counts_k, stopped_k = (
+        x[slot_of_row] for x in (tokens_kn, logprobs_kn, counts_k, stopped_k))
+    finished = [bool(stopped) or count >= budget
+                for stopped, count, budget in zip(stopped_k, counts_k, budgets)]
+    rb.lengths[list(rows)] += counts_k
+    self.stats.add(time.perf_counter() - start, width, int(steps_run), int(counts_k.sum()),
                    int(rb.lengths[list(rows)].sum()), width * rb.capacity)
-    return RowChunk(tokens=[tokens_kn[k, :counts_k[k]].tolist() for k in range(n)],
-                    logprobs=[logprobs_kn[k, :counts_k[k]].tolist() for k in range(n)],
-                    finished=finished, stopped=[bool(stopped_k[k]) for k in range(n)],
+    return RowChunk(tokens=[t[:count].tolist() for t, count in zip(tokens_kn, counts_k)],
+                    logprobs=[lp[:count].tolist() for lp, count in zip(logprobs_kn, counts_k)],
+                    finished=finished, stopped=[bool(stopped) for stopped in stopped_k],
                     steps=int(steps_run), width=width)
 
 
@@ -556,25 +604,79 @@ def row_programs(graphdef, stop_token_ids: Sequence[int], pad_id: int):
   return prefill, decode
 
 
+def _batch_mesh_axes() -> tuple[str, ...]:
+  """The mesh axes the batch is split over in the program being traced (none without a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return () if mesh.empty else partitioning.mesh_axes("batch", mesh)
+
+
+def _on_each_shard(fn, args, batch_dims, out_batch_dims):
+  """`fn(*args)` run by every data shard on its own rows: each array of `args` and of fn's
+  results (a tuple) is split over the batch mesh axes at its axis in `batch_dims` and
+  `out_batch_dims`; other mesh axes are left to the partitioner.
+
+  Each shard's entries of `index_k` are the local ids of rows it holds (see
+  `Sampler._row_index`), so a row call moves no cache row between shards (the
+  partitioner, left to take rows by global ids, all-gathers the whole cache).
+  """
+  axes = _batch_mesh_axes()
+  if not axes:
+    return fn(*args)
+  spec = lambda dim: PartitionSpec(*(None,) * dim, axes)
+  return jax.shard_map(fn, in_specs=tuple(map(spec, batch_dims)),
+                       out_specs=tuple(map(spec, out_batch_dims)), axis_names=set(axes))(*args)
+
+
+def _global_rows(index_k, batch: int):
+  """The global row ids of `index_k` (per data shard, local ids), padding -> `batch`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  shards = math.prod(mesh.shape[a] for a in _batch_mesh_axes())
+  held, per_shard = batch // shards, index_k.shape[0] // shards
+  first_row_k = jnp.arange(index_k.shape[0]) // per_shard * held
+  return jnp.where(index_k < held, first_row_k + index_k, batch)
+
+
+# Batch axes of (k, v, kv_positions_bs, logits): the cache's k and v are [L, B, S, K, H].
+_ROW_ARRAYS_BATCH_DIMS = (1, 1, 0, 0)
+
+
 def _gather_rows(cache: KVCache, logits_bv, index_k, slots: int):
-  """The first `slots` cache slots and the logits of rows `index_k` (out-of-range ids read
-  the last row)."""
-  take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")
-  return KVCache(k=take(cache.k, 1)[:, :, :slots], v=take(cache.v, 1)[:, :, :slots],
-                 kv_positions_bs=take(cache.kv_positions_bs, 0)[:, :slots],
-                 length=take(cache.length, 0)), take(logits_bv, 0)
+  """The first `slots` cache slots and the logits of the rows `index_k` names: per data
+  shard, local ids of rows in that shard (out-of-range ids read the shard's last row)."""
+
+  def take_local(k, v, kv_positions_bs, logits_bv, index_k):
+    take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")
+    return (take(k, 1)[:, :, :slots], take(v, 1)[:, :, :slots],
+            take(kv_positions_bs, 0)[:, :slots], take(logits_bv, 0))
+
+  k, v, kv_positions_bs, row_logits_kv = _on_each_shard(
+      take_local, (cache.k, cache.v, cache.kv_positions_bs, logits_bv, index_k),
+      _ROW_ARRAYS_BATCH_DIMS + (0,), _ROW_ARRAYS_BATCH_DIMS)
+  # Per-row lengths are whole on every device (`Sampler` places them so): taken by global id.
+  length = jnp.take(cache.length, _global_rows(index_k, logits_bv.shape[0]), mode="clip")
+  return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs, length=length), row_logits_kv
 
 
 def _scatter_rows(cache: KVCache, logits_bv, index_k, rows: KVCache, row_logits_kv):
-  """Writes rows (their first `rows.max_len` slots) back at `index_k` (out-of-range ids are
-  dropped)."""
+  """Writes rows (their first `rows.max_len` slots) back where `index_k` names them (per data
+  shard, local ids; out-of-range ids are dropped)."""
   slots = rows.max_len
-  put = lambda x, new: x.at[index_k].set(new, mode="drop")
-  put_slots = lambda x, new: x.at[:, index_k, :slots].set(new, mode="drop")
-  return KVCache(k=put_slots(cache.k, rows.k), v=put_slots(cache.v, rows.v),
-                 kv_positions_bs=cache.kv_positions_bs.at[index_k, :slots].set(
-                     rows.kv_positions_bs, mode="drop"),
-                 length=put(cache.length, rows.length)), put(logits_bv, row_logits_kv)
+
+  def put_local(k, v, kv_positions_bs, logits_bv, index_k, row_k, row_v, row_positions,
+                row_logits_kv):
+    put_slots = lambda x, new: x.at[:, index_k, :slots].set(new, mode="drop")
+    return (put_slots(k, row_k), put_slots(v, row_v),
+            kv_positions_bs.at[index_k, :slots].set(row_positions, mode="drop"),
+            logits_bv.at[index_k].set(row_logits_kv, mode="drop"))
+
+  k, v, kv_positions_bs, logits_bv = _on_each_shard(
+      put_local, (cache.k, cache.v, cache.kv_positions_bs, logits_bv, index_k, rows.k, rows.v,
+                  rows.kv_positions_bs, row_logits_kv),
+      _ROW_ARRAYS_BATCH_DIMS + (0,) + _ROW_ARRAYS_BATCH_DIMS, _ROW_ARRAYS_BATCH_DIMS)
+  length = cache.length.at[_global_rows(index_k, logits_bv.shape[0])].set(rows.length,
+                                                                          mode="drop")
+  return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs,
+                 length=partitioning.constrain(length, (None,))), logits_bv
 
 
 def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt, restart_k, *,

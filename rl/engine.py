@@ -9,7 +9,9 @@ loop, between jitted decode chunks:
   2. prefills every ready dialogue's new tokens into its row, at its own offset;
   3. decodes one chunk for the dialogues decoding, longest-waiting first: the
      largest compiled row count that they fill (none is padding; the few left
-     over go first next chunk), ending the chunk as soon as one reply is done;
+     over go first next chunk), as many rows from every data shard (a row
+     call gathers rows per shard, see `rows_to_decode`), ending the chunk as
+     soon as one reply is done;
   4. hands each finished reply to the simulator without waiting for it.
 
 A dialogue with the simulator keeps its cache and costs no decode work. With
@@ -30,7 +32,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import time
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import jax
 
@@ -52,6 +54,30 @@ def run(sampler: Sampler, agent: Agent, user: SimulatedUser, dialogues: Sequence
   finally:
     if pool is not None:
       pool.shutdown(wait=True, cancel_futures=True)
+
+
+def rows_to_decode(decoding: Iterable[int], shard: Callable[[int], int], shards: int) -> list[int]:
+  """The rows one decode chunk takes from `decoding` (longest-waiting first), in that order.
+
+  A row call decodes the same number of rows on each of the `shards` data
+  shards (`Sampler.decode_rows`), so the chunk takes q rows of every shard
+  (`shard(row)`): the largest compiled count per shard (`row_bucket_sizes`)
+  that every shard fills, so no row is padding; when some shard has no row
+  decoding, the largest that the fullest shard fills (the others pad).
+  """
+  decoding = list(decoding)
+  per_shard = collections.Counter(shard(row) for row in decoding)
+  fullest = max(per_shard.values())
+  fill = min(per_shard.values()) if len(per_shard) == shards else fullest
+  q = max(size // shards for size in row_bucket_sizes(shards * fullest, shards)
+          if size // shards <= fill)
+  taken = collections.Counter()
+  chosen = []
+  for row in decoding:
+    if taken[shard(row)] < q:
+      taken[shard(row)] += 1
+      chosen.append(row)
+  return chosen
 
 
 class _Engine:
@@ -126,10 +152,9 @@ class _Engine:
 
   def _decode_chunk(self) -> None:
     sampler, agent = self.sampler, self.agent
-    # The largest compiled width the decoding dialogues fill: no padding row.
-    sizes = [s for s in row_bucket_sizes(len(self.decoding), sampler.data_parallel_size())
-             if s <= len(self.decoding)]
-    chosen = [self.decoding.popleft() for _ in range(sizes[-1] if sizes else len(self.decoding))]
+    chosen = rows_to_decode(self.decoding, self.rows.shard, self.rows.shards)
+    taken = set(chosen)
+    self.decoding = collections.deque(i for i in self.decoding if i not in taken)
     drawn = [len(self.replies[i][1]) for i in chosen]
     greedy = agent.sampling.temperature == 0
     chunk = sampler.decode_rows(

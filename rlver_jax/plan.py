@@ -146,10 +146,11 @@ class _Model:
                         self.params, shardings)
 
 
-def _sampler_programs(graphdef, params, config, mesh, batch, cache_len, prefill_len, dtype):
-  """Compiles the sampler's row programs as the rollout engine runs them, from the weights
-  `params` it decodes with: a prefill of `prefill_len` tokens into every row, and one decode
-  chunk of every row."""
+def sampler_row_programs(graphdef, params, config, mesh, batch, cache_len, prefill_len,
+                         dtype) -> dict:
+  """The sampler's row programs as the rollout engine runs them, from the weights `params`
+  it decodes with: a prefill of `prefill_len` tokens into every row, and one decode chunk of
+  every row. Name -> (jitted program, abstract arguments, static arguments)."""
   cache = jax.eval_shape(lambda: qwen2.KVCache.init_rows(config, batch, cache_len, dtype))
   kv = partitioning.named_sharding(qwen2.KV_CACHE_AXES, cache.k.shape, mesh)
   replicated = NamedSharding(mesh, PartitionSpec())
@@ -162,18 +163,19 @@ def _sampler_programs(graphdef, params, config, mesh, batch, cache_len, prefill_
   logits_bv = rows((batch, config.vocab_size), jnp.float32)
   index_k = rows((batch,), jnp.int32)
   prefill, decode = sampler_lib.row_programs(graphdef, (0,), 0)
-  out = {"sampler_prefill": _compile(
-      prefill, (params, cache, logits_bv, index_k, rows((batch, prefill_len), jnp.int32),
-                rows((batch, prefill_len), jnp.bool_), rows((batch,), jnp.bool_)),
-      mesh, params, slots=cache_len)}
   scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
   key_k = rows((batch,), jax.eval_shape(lambda: jax.random.key(0)).dtype)
   per_row = lambda: rows((batch,), jnp.int32)  # budgets, row ids, offsets
-  out["sampler_decode"] = _compile(
-      decode, (params, cache, logits_bv, index_k, per_row(), key_k, per_row(), per_row(),
-               scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32)), mesh, params,
-      steps=sampler_lib.DECODE_CHUNK_STEPS, slots=cache_len, greedy=False, top_k=0, use_top_p=False)
-  return out
+  return {
+      "sampler_prefill": (prefill, (params, cache, logits_bv, index_k,
+                                    rows((batch, prefill_len), jnp.int32),
+                                    rows((batch, prefill_len), jnp.bool_), rows((batch,), jnp.bool_)),
+                          {"slots": cache_len}),
+      "sampler_decode": (decode, (params, cache, logits_bv, index_k, per_row(), key_k, per_row(),
+                                  per_row(), scalar(jnp.float32), scalar(jnp.float32),
+                                  scalar(jnp.int32)),
+                         {"steps": sampler_lib.DECODE_CHUNK_STEPS, "slots": cache_len,
+                          "greedy": False, "top_k": 0, "use_top_p": False})}
 
 
 def kv_cache_gib(config: qwen2.Qwen2Config, mesh, batch: int, cache_len: int, dtype) -> float:
@@ -244,8 +246,10 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
       sampling_params = policy.sampling_copy(mesh, jnp.dtype(sampling_dtype), sampling_layout)
       resident.append(sampling_params)
       result["sampling_copy_gib"] = _device_gib(sampling_params)
-    programs.update(_sampler_programs(policy.graphdef, sampling_params, config, mesh, batch,
-                                      cache_len, prefill_len, dtype))
+    for name, (program, args, static) in sampler_row_programs(
+        policy.graphdef, sampling_params, config, mesh, batch, cache_len, prefill_len,
+        dtype).items():
+      programs[name] = _compile(program, args, mesh, sampling_params, **static)
   result["programs"] = programs
   result["kv_cache_gib"] = kv_cache_gib(config, mesh, batch, cache_len, dtype)
   result["resident_gib"] = _device_gib(resident)

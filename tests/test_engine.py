@@ -13,6 +13,7 @@ from flax import nnx
 from models import partitioning, qwen2
 from models.sampler import Sampler, SamplingParams, row_bucket_sizes
 from rl import rollout as rollout_lib
+from rl.engine import rows_to_decode
 from rlver_jax import policy as policy_lib
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
@@ -125,6 +126,41 @@ def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
   tokens, _ = decode_all(row_sampler, rb, [0, 1, 2, 3], params, width=3, key=key,
                          row_ids=[4, 5, 6, 7])
   assert tokens == expected.tokens
+
+
+def test_rows_spread_unevenly_over_data_shards_equal_the_batch_sampler(model, reference):
+  # 8 rows over 4 data shards (2 each): a call gathers each shard's rows on that shard, padding
+  # shards that hold fewer of the chosen rows than others.
+  mesh = partitioning.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+  sampler = Sampler(model, stop_token_ids=[STOP], mesh=mesh, min_cache_bucket=16,
+                    decode_chunk_steps=3)
+  prompts = PROMPTS + [p[::-1] for p in PROMPTS]
+  expected = reference.generate(prompts, GREEDY)
+  rb = sampler.start_rows(len(prompts))
+  assert [rb.shard(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+  sampler.prefill_rows(rb, [1, 0, 5], [prompts[1], prompts[0], prompts[5]])
+  sampler.prefill_rows(rb, [7, 2, 3, 4, 6], [prompts[r] for r in [7, 2, 3, 4, 6]])
+  # 3 rows a chunk in rotation: some shards give two rows, some none.
+  tokens, logprobs = decode_all(sampler, rb, list(range(8)), GREEDY, width=3)
+  assert tokens == expected.tokens
+  np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(expected.logprobs),
+                             atol=1e-5)
+  assert rb.lengths.tolist() == [len(p) + len(t) for p, t in zip(prompts, tokens)]
+  # One row of one shard: the others pad (reading their last row), and write nothing back.
+  sampler.prefill_rows(rb, [5], [[60, 61, 62]])
+  assert rb.lengths[5] == len(prompts[5]) + len(tokens[5]) + 3
+  assert np.asarray(rb.cache.length).tolist() == rb.lengths.tolist()
+
+
+def test_each_chunk_takes_as_many_rows_from_every_data_shard():
+  # One shard: the largest compiled row count the decoding rows fill, longest-waiting first.
+  assert rows_to_decode([5, 3, 0, 1, 2, 4, 6, 7, 8], lambda row: 0, 1) == [5, 3, 0, 1, 2, 4, 6, 7]
+  # Two shards of 4 rows: shard 1 has 2 rows decoding, so 2 of each, none padding.
+  two = lambda row: row // 4
+  assert rows_to_decode([5, 0, 1, 6, 2, 3], two, 2) == [5, 0, 1, 6]
+  assert rows_to_decode([4, 0, 5, 1, 6, 2, 7], two, 2) == [4, 0, 5, 1, 6, 2]
+  # Shard 1 has none: shard 0's rows go, shard 1 pads.
+  assert rows_to_decode([2, 0, 1], two, 2) == [2, 0, 1]
 
 
 @pytest.mark.parametrize("layout", ["decode", "train"])

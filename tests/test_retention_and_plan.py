@@ -2,13 +2,17 @@
 
 import json
 import os
+import re
 import stat
 import subprocess
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from configs import retention as retention_config
-from models import qwen2
+from models import partitioning, qwen2
 from rlver_jax import plan, retention, tiny
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,6 +114,29 @@ def test_plan_compiles_every_program_on_eight_fake_devices():
   assert sharded["resident_gib"] == pytest.approx(7 * weights / 8 + weights / 16, rel=0.05)
   assert sharded["kv_cache_gib"] == pytest.approx(
       2 * 2 * 8 * 128 * 2 * 64 * 2 / 2 ** 30 / 8)  # batch over fsdp=4, 2 kv heads over tensor=2
+
+
+def test_row_programs_take_rows_within_each_data_shard():
+  # The rollout engine's row programs take chosen rows of a KV cache whose batch is split
+  # over fsdp. Each shard takes its own rows, so no all-gather carries cache slots (taking
+  # them from the whole batch all-gathered the whole cache: +20 GiB per device at 7B, 16k).
+  config = qwen2.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                             num_layers=2, num_heads=4, num_kv_heads=2)
+  mesh = partitioning.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
+  graphdef, state = nnx.split(nnx.eval_shape(lambda: qwen2.Qwen2(config, rngs=nnx.Rngs(0))))
+  params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state, partitioning.state_shardings(state, mesh))
+  cache_len = 512  # no other dimension of the programs has this size
+  programs = plan.sampler_row_programs(graphdef, params, config, mesh, batch=8,
+                                       cache_len=cache_len, prefill_len=16, dtype=jnp.bfloat16)
+  assert set(programs) == {"sampler_prefill", "sampler_decode"}
+  for name, (program, args, static) in programs.items():
+    with partitioning.mesh_context(mesh):
+      hlo = program.lower(*args, **static).compile().as_text()
+    gathered = [dims.split(",") for dims in
+                re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather\(", hlo)]
+    assert gathered, name  # the fsdp-split weights are gathered: the pattern finds them
+    assert not [dims for dims in gathered if str(cache_len) in dims], (name, gathered)
 
 
 def test_plan_cli_prints_a_verdict(tmp_path):
