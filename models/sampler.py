@@ -472,15 +472,17 @@ class Sampler:
     return min(rb.capacity, bucket_size(needed, self.min_cache_bucket))
 
   def _row_index(self, rb: RowBatch, rows: Sequence[int],
-                 width_for: Callable[[int], int]) -> tuple[np.ndarray, np.ndarray]:
-    """Where a row call reads and writes `rows`: (index_k, place of each row in it).
+                 width_for: Callable[[int], int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where a row call reads and writes `rows`: (index_k, rows_k, place of each row in them).
 
     Each data shard gathers rows of its own only (no cache row crosses
     shards), so `index_k` is laid out per shard: of its `width` entries, block
     s (width / shards of them, the batch axis's split) holds the local ids in
     shard s of the rows it holds, padded with an out-of-range id (read
-    clamped, written nowhere). The width is `width_for(shards x the most rows
-    any one shard holds)`: rows spread evenly over the shards pad least.
+    clamped, written nowhere). `rows_k` holds the same rows' global ids, padded
+    with the batch size, for what every device holds whole (the lengths). The
+    width is `width_for(shards x the most rows any one shard holds)`: rows
+    spread evenly over the shards pad least.
     """
     if len(set(rows)) != len(rows) or any(not 0 <= r < rb.num_rows for r in rows):
       raise IndexError(f"rows {list(rows)}: need distinct rows in [0, {rb.num_rows})")
@@ -490,12 +492,15 @@ class Sampler:
     width = width_for(rb.shards * max(len(places) for places in by_shard))
     per_shard = width // rb.shards
     index_k = np.full(width, rb.rows_per_shard, np.int32)
+    rows_k = np.full(width, rb.batch_size, np.int32)
     slot_of_row = np.empty(len(rows), np.int64)
     for shard, places in enumerate(by_shard):
       for i, place in enumerate(places):
-        slot_of_row[place] = shard * per_shard + i
-        index_k[shard * per_shard + i] = rows[place] - shard * rb.rows_per_shard
-    return index_k, slot_of_row
+        slot = shard * per_shard + i
+        slot_of_row[place] = slot
+        rows_k[slot] = rows[place]
+        index_k[slot] = rows[place] - shard * rb.rows_per_shard
+    return index_k, rows_k, slot_of_row
 
   def prefill_rows(self, rb: RowBatch, rows: Sequence[int], new_tokens: Sequence[Sequence[int]],
                    restart: bool = False) -> None:
@@ -505,7 +510,7 @@ class Sampler:
     if any(not tokens for tokens in new_tokens):
       raise ValueError("every row needs at least one new token")
     # Powers of two: prefill pads a few rows rather than compiling for every row count.
-    index, slot_of_row = self._row_index(rb, rows, self._batch_bucket)
+    index, global_index, slot_of_row = self._row_index(rb, rows, self._batch_bucket)
     if restart:
       rb.lengths[list(rows)] = 0
     needed = max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens))
@@ -521,8 +526,9 @@ class Sampler:
     with partitioning.mesh_context(self.mesh):
       rb.cache, rb.logits_bv = self._prefill_rows(
           self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
-          self._put(tokens_kt, ("batch", None)), self._put(mask_kt, ("batch", None)),
-          self._put(restart_k, ("batch",)), slots=self._attended_slots(rb, needed))
+          self._put(global_index, ("batch",)), self._put(tokens_kt, ("batch", None)),
+          self._put(mask_kt, ("batch", None)), self._put(restart_k, ("batch",)),
+          slots=self._attended_slots(rb, needed))
       jax.block_until_ready(rb.logits_bv)
     self.stats.seconds += time.perf_counter() - start
     for r, tokens in zip(rows, new_tokens):
@@ -549,7 +555,7 @@ class Sampler:
     steps = steps or self.decode_chunk_steps
     if any(b < 1 for b in budgets):
       raise ValueError(f"budgets {list(budgets)}: every row needs at least one token")
-    index, slot_of_row = self._row_index(rb, rows, self.row_bucket)
+    index, global_index, slot_of_row = self._row_index(rb, rows, self.row_bucket)
     needed = max(int(rb.lengths[r]) + min(b, steps) for r, b in zip(rows, budgets))
     rb.cache = self._grown(rb.cache, needed)
     width = len(index)
@@ -570,8 +576,9 @@ class Sampler:
     with partitioning.mesh_context(self.mesh):
       out = self._decode_rows(
           self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
-          self._put(pad(budgets), ("batch",)), self._put(keys_k, ("batch",)),
-          self._put(pad(row_ids), ("batch",)), self._put(pad(offsets), ("batch",)),
+          self._put(global_index, ("batch",)), self._put(pad(budgets), ("batch",)),
+          self._put(keys_k, ("batch",)), self._put(pad(row_ids), ("batch",)),
+          self._put(pad(offsets), ("batch",)),
           jnp.float32(params.temperature or 1.0), jnp.float32(params.top_p),
           jnp.int32(stop_after_finished or width + 1), steps=steps,
           slots=self._attended_slots(rb, needed), greedy=params.temperature == 0,
@@ -627,22 +634,14 @@ def _on_each_shard(fn, args, batch_dims, out_batch_dims):
                        out_specs=tuple(map(spec, out_batch_dims)), axis_names=set(axes))(*args)
 
 
-def _global_rows(index_k, batch: int):
-  """The global row ids of `index_k` (per data shard, local ids), padding -> `batch`."""
-  mesh = jax.sharding.get_abstract_mesh()
-  shards = math.prod(mesh.shape[a] for a in _batch_mesh_axes())
-  held, per_shard = batch // shards, index_k.shape[0] // shards
-  first_row_k = jnp.arange(index_k.shape[0]) // per_shard * held
-  return jnp.where(index_k < held, first_row_k + index_k, batch)
-
-
 # Batch axes of (k, v, kv_positions_bs, logits): the cache's k and v are [L, B, S, K, H].
 _ROW_ARRAYS_BATCH_DIMS = (1, 1, 0, 0)
 
 
-def _gather_rows(cache: KVCache, logits_bv, index_k, slots: int):
+def _gather_rows(cache: KVCache, logits_bv, index_k, rows_k, slots: int):
   """The first `slots` cache slots and the logits of the rows `index_k` names: per data
-  shard, local ids of rows in that shard (out-of-range ids read the shard's last row)."""
+  shard, local ids of rows in that shard (out-of-range ids read the shard's last row);
+  `rows_k` are their global ids (see `Sampler._row_index`)."""
 
   def take_local(k, v, kv_positions_bs, logits_bv, index_k):
     take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")
@@ -653,13 +652,13 @@ def _gather_rows(cache: KVCache, logits_bv, index_k, slots: int):
       take_local, (cache.k, cache.v, cache.kv_positions_bs, logits_bv, index_k),
       _ROW_ARRAYS_BATCH_DIMS + (0,), _ROW_ARRAYS_BATCH_DIMS)
   # Per-row lengths are whole on every device (`Sampler` places them so): taken by global id.
-  length = jnp.take(cache.length, _global_rows(index_k, logits_bv.shape[0]), mode="clip")
+  length = jnp.take(cache.length, rows_k, mode="clip")
   return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs, length=length), row_logits_kv
 
 
-def _scatter_rows(cache: KVCache, logits_bv, index_k, rows: KVCache, row_logits_kv):
+def _scatter_rows(cache: KVCache, logits_bv, index_k, rows_k, rows: KVCache, row_logits_kv):
   """Writes rows (their first `rows.max_len` slots) back where `index_k` names them (per data
-  shard, local ids; out-of-range ids are dropped)."""
+  shard, local ids; out-of-range ids are dropped); `rows_k` are their global ids."""
   slots = rows.max_len
 
   def put_local(k, v, kv_positions_bs, logits_bv, index_k, row_k, row_v, row_positions,
@@ -673,27 +672,26 @@ def _scatter_rows(cache: KVCache, logits_bv, index_k, rows: KVCache, row_logits_
       put_local, (cache.k, cache.v, cache.kv_positions_bs, logits_bv, index_k, rows.k, rows.v,
                   rows.kv_positions_bs, row_logits_kv),
       _ROW_ARRAYS_BATCH_DIMS + (0,) + _ROW_ARRAYS_BATCH_DIMS, _ROW_ARRAYS_BATCH_DIMS)
-  length = cache.length.at[_global_rows(index_k, logits_bv.shape[0])].set(rows.length,
-                                                                          mode="drop")
+  length = cache.length.at[rows_k].set(rows.length, mode="drop")
   return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs,
                  length=partitioning.constrain(length, (None,))), logits_bv
 
 
-def _prefill_rows(graphdef, state, cache, logits_bv, index_k, tokens_kt, mask_kt, restart_k, *,
-                  slots):
+def _prefill_rows(graphdef, state, cache, logits_bv, index_k, rows_k, tokens_kt, mask_kt,
+                  restart_k, *, slots):
   """Writes right-padded new tokens into rows `index_k`; keeps each row's last logits.
 
   Attends over the first `slots` cache slots only (they hold every row's tokens, new ones
   included).
   """
   model = nnx.merge(graphdef, state)
-  rows, _ = _gather_rows(cache, logits_bv, index_k, slots)
+  rows, _ = _gather_rows(cache, logits_bv, index_k, rows_k, slots)
   rows = rows.replace(length=jnp.where(restart_k, 0, rows.length))
   hidden_ktd, rows = model.backbone(tokens_kt, attention_mask=mask_kt, cache=rows)
   last_k = jnp.sum(mask_kt, axis=1) - 1
   hidden_kd = jnp.take_along_axis(hidden_ktd, last_k[:, None, None], axis=1)
   row_logits_kv = model.logits(hidden_kd)[:, 0]
-  return _scatter_rows(cache, logits_bv, index_k, rows, row_logits_kv)
+  return _scatter_rows(cache, logits_bv, index_k, rows_k, rows, row_logits_kv)
 
 
 def _decode_step(model, stop_ids, pad_id, sample, step, step_keys_r, budget_r, tokens_rn,
@@ -757,8 +755,8 @@ def _sampler_fn(temperature, top_p, greedy, top_k, use_top_p):
                            greedy=greedy, top_k=top_k, use_top_p=use_top_p)
 
 
-def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, index_k, budget_k,
-                 key_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
+def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, index_k, rows_k,
+                 budget_k, key_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
                  slots, greedy, top_k, use_top_p):
   """One chunk of decode steps on the gathered rows, written back at the end.
 
@@ -767,13 +765,13 @@ def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, inde
   stopped [K], steps run.
   """
   model = nnx.merge(graphdef, state)
-  rows, row_logits_kv = _gather_rows(cache, logits_bv, index_k, slots)
+  rows, row_logits_kv = _gather_rows(cache, logits_bv, index_k, rows_k, slots)
   row_keys_k = jax.vmap(jax.random.fold_in)(key_k, row_id_k)
   step, tokens_kn, logprobs_kn, counts_k, stopped_k, row_logits_kv, rows = _decode_loop(
       model, stop_token_ids, pad_id, _sampler_fn(temperature, top_p, greedy, top_k, use_top_p),
       rows, row_logits_kv, budget_k <= 0, budget_k, row_keys_k, offset_k, stop_after_finished,
       steps=steps)
-  cache, logits_bv = _scatter_rows(cache, logits_bv, index_k, rows, row_logits_kv)
+  cache, logits_bv = _scatter_rows(cache, logits_bv, index_k, rows_k, rows, row_logits_kv)
   return tokens_kn, logprobs_kn, counts_k, stopped_k, step, cache, logits_bv
 
 

@@ -161,19 +161,19 @@ def sampler_row_programs(graphdef, params, config, mesh, batch, cache_len, prefi
       length=jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated))
   rows = functools.partial(_rows, mesh)
   logits_bv = rows((batch, config.vocab_size), jnp.float32)
-  index_k = rows((batch,), jnp.int32)
+  index_k, rows_k = rows((batch,), jnp.int32), rows((batch,), jnp.int32)  # local, global ids
   prefill, decode = sampler_lib.row_programs(graphdef, (0,), 0)
   scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
   key_k = rows((batch,), jax.eval_shape(lambda: jax.random.key(0)).dtype)
   per_row = lambda: rows((batch,), jnp.int32)  # budgets, row ids, offsets
   return {
-      "sampler_prefill": (prefill, (params, cache, logits_bv, index_k,
+      "sampler_prefill": (prefill, (params, cache, logits_bv, index_k, rows_k,
                                     rows((batch, prefill_len), jnp.int32),
                                     rows((batch, prefill_len), jnp.bool_), rows((batch,), jnp.bool_)),
                           {"slots": cache_len}),
-      "sampler_decode": (decode, (params, cache, logits_bv, index_k, per_row(), key_k, per_row(),
-                                  per_row(), scalar(jnp.float32), scalar(jnp.float32),
-                                  scalar(jnp.int32)),
+      "sampler_decode": (decode, (params, cache, logits_bv, index_k, rows_k, per_row(), key_k,
+                                  per_row(), per_row(), scalar(jnp.float32),
+                                  scalar(jnp.float32), scalar(jnp.int32)),
                          {"steps": sampler_lib.DECODE_CHUNK_STEPS, "slots": cache_len,
                           "greedy": False, "top_k": 0, "use_top_p": False})}
 
