@@ -258,21 +258,41 @@ def rope(x_btnh: Array, positions_bt: Array, theta: float) -> Array:
   return out.astype(x_btnh.dtype)
 
 
-def write_slots(cache_bs_, new_bt_, write_index, layer=None) -> Array:
-  """Writes new entries [B, T, ...] into a cache [B, S, ...] (or [L, B, S, ...] at `layer`).
+def write_slots(cache_lbs_, new_bt_, write_index, layer) -> Array:
+  """Writes new entries [B, T, ...] into layer `layer` of a stacked cache [L, B, S, ...].
 
   `write_index`: one slot for every row (a scalar, shared layout) or each
   row's own first slot ([B], per-row layout; writes past S are dropped).
   """
-  lead = () if layer is None else (layer,)
   if jnp.ndim(write_index) == 0:
-    start = lead + (0, write_index) + (0,) * (new_bt_.ndim - 2)
-    new = new_bt_ if layer is None else new_bt_[None]
-    return jax.lax.dynamic_update_slice(cache_bs_, new, start)
+    start = (layer, 0, write_index) + (0,) * (new_bt_.ndim - 2)
+    return jax.lax.dynamic_update_slice(cache_lbs_, new_bt_[None], start)
   b, t = new_bt_.shape[:2]
   slots_bt = write_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-  index = lead + (jnp.arange(b)[:, None], slots_bt)
-  return cache_bs_.at[index].set(new_bt_, mode="drop")
+  return cache_lbs_.at[layer, jnp.arange(b)[:, None], slots_bt].set(new_bt_, mode="drop")
+
+
+@struct.dataclass
+class LayerCache:
+  """What one decoder layer of a cached pass reads and writes: the stacked keys and values of
+  every layer, its own index among them, and the slot its new tokens start at."""
+
+  k_lbskh: Array  # [L, B, S, K, H]
+  v_lbskh: Array  # [L, B, S, K, H]
+  layer: Array  # int32 []
+  write_index: Array  # int32 [] (shared layout) or [B] (per-row layout); see `write_slots`
+
+  def written(self, k_btkh, v_btkh) -> tuple["LayerCache", Array, Array]:
+    """The cache with the new keys and values written in, and this layer's keys and values
+    [B, S, K, H] read back from it. Writing first and reading after lets XLA update the
+    stack in place; attending over a copy of the old slice made it copy the whole stack
+    in every layer (4 copies of the cache per layer and token on the CPU backend)."""
+    k_lbskh = write_slots(self.k_lbskh, k_btkh.astype(self.k_lbskh.dtype), self.write_index,
+                          self.layer)
+    v_lbskh = write_slots(self.v_lbskh, v_btkh.astype(self.v_lbskh.dtype), self.write_index,
+                          self.layer)
+    return (self.replace(k_lbskh=k_lbskh, v_lbskh=v_lbskh), k_lbskh[self.layer],
+            v_lbskh[self.layer])
 
 
 class Attention(nnx.Module):
@@ -291,13 +311,11 @@ class Attention(nnx.Module):
     self.v_bias = _param(rngs, (k, h), ("kv_heads", "head_dim"), param_dtype, 0.0)
     self.o_proj = _param(rngs, (n, h, d), ("q_heads", "head_dim", "embed"), param_dtype, std)
 
-  def __call__(self, x_btd, positions_bt, kv_positions_bs, k_cache_bskh=None,
-               v_cache_bskh=None, write_index=None):
-    """Returns the attention output and the new tokens' keys and values ([B, T, K, H]).
+  def __call__(self, x_btd, positions_bt, kv_positions_bs, cache: LayerCache | None = None):
+    """Returns the attention output and `cache` with this call's keys and values written in.
 
     `kv_positions_bs` are the positions of the key slots (the cache's, with
-    this call's tokens written in at `write_index`), -1 where empty; see
-    `attention.visible`. The caller stores the returned keys and values.
+    this call's tokens written in), -1 where empty; see `attention.visible`.
     """
     dtype = x_btd.dtype
     q_btnh = jnp.einsum("btd,dnh->btnh", x_btd, self.q_proj[...].astype(dtype))
@@ -310,18 +328,15 @@ class Attention(nnx.Module):
     k_btkh = constrain(rope(k_btkh, positions_bt, self.theta), _HEADS_AXES["kv"])
     v_btkh = constrain(v_btkh, _HEADS_AXES["kv"])
 
-    if k_cache_bskh is None:
+    if cache is None:
       k_bskh, v_bskh = k_btkh, v_btkh
     else:
-      k_btkh, v_btkh = k_btkh.astype(k_cache_bskh.dtype), v_btkh.astype(v_cache_bskh.dtype)
-      k_bskh = write_slots(k_cache_bskh, k_btkh, write_index)
-      v_bskh = write_slots(v_cache_bskh, v_btkh, write_index)
+      cache, k_bskh, v_bskh = cache.written(k_btkh, v_btkh)
 
     out_btnh = attention.attend(q_btnh, k_bskh, v_bskh, positions_bt, kv_positions_bs,
-                                implementation=self.implementation,
-                                cached=k_cache_bskh is not None)
+                                implementation=self.implementation, cached=cache is not None)
     out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_proj[...].astype(dtype))
-    return out_btd, k_btkh, v_btkh
+    return out_btd, cache
 
 
 class MLP(nnx.Module):
@@ -352,13 +367,11 @@ class DecoderLayer(nnx.Module):
     self.post_attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **kw)
     self.mlp = MLP(config, **kw)
 
-  def __call__(self, x_btd, positions_bt, kv_positions_bs, k_cache=None, v_cache=None,
-               write_index=None):
-    attn_btd, k, v = self.attn(self.input_norm(x_btd), positions_bt, kv_positions_bs,
-                               k_cache, v_cache, write_index)
+  def __call__(self, x_btd, positions_bt, kv_positions_bs, cache: LayerCache | None = None):
+    attn_btd, cache = self.attn(self.input_norm(x_btd), positions_bt, kv_positions_bs, cache)
     x_btd = x_btd + attn_btd
     x_btd = x_btd + self.mlp(self.post_attn_norm(x_btd))
-    return x_btd, k, v
+    return x_btd, cache
 
 
 REMAT_POLICIES = ("none", "full", "save_dots", "offload")
@@ -467,23 +480,21 @@ class Qwen2Backbone(nnx.Module):
     if cache is None:
       def body(x_btd, state):
         layer = nnx.merge(layer_graph, state)
-        x_btd, _, _ = layer(x_btd, positions_bt, kv_positions_bs)
+        x_btd, _ = layer(x_btd, positions_bt, kv_positions_bs)
         return constrain(x_btd, _RESIDUAL_AXES), None
 
       x_btd, _ = jax.lax.scan(_checkpointed(body, self.remat), x_btd, layer_state)
       return self.final_norm(x_btd), None
 
     # The stacked cache rides in the carry, so each layer's new keys and values
-    # are written in place; the layer reads its own slice.
+    # are written in place; the layer reads its own slice back.
     def cached_body(carry, xs):
       x_btd, k_lbskh, v_lbskh = carry
       state, i = xs
       layer = nnx.merge(layer_graph, state)
-      x_btd, k_btkh, v_btkh = layer(x_btd, positions_bt, kv_positions_bs, k_lbskh[i],
-                                    v_lbskh[i], cache.length)
-      k_lbskh = write_slots(k_lbskh, k_btkh, cache.length, layer=i)
-      v_lbskh = write_slots(v_lbskh, v_btkh, cache.length, layer=i)
-      return (constrain(x_btd, _RESIDUAL_AXES), k_lbskh, v_lbskh), None
+      x_btd, layer_cache = layer(x_btd, positions_bt, kv_positions_bs,
+                                 LayerCache(k_lbskh, v_lbskh, i, cache.length))
+      return (constrain(x_btd, _RESIDUAL_AXES), layer_cache.k_lbskh, layer_cache.v_lbskh), None
 
     layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
     (x_btd, k, v), _ = jax.lax.scan(cached_body, (x_btd, cache.k, cache.v),
