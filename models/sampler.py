@@ -121,10 +121,11 @@ class DecodeStats:
 
   def metrics(self) -> dict:
     """`rollout/` figures of a span: slot efficiency (tokens / row-steps), cache occupancy of
-    the decoding batch (averaged over row-steps) and decode time."""
+    the decoding batch (averaged over row-steps), the row-steps (their weight when hosts
+    combine them) and decode time."""
     return {"rollout/slot_efficiency": self.tokens / max(self.row_steps, 1),
             "rollout/cache_occupancy": self.occupancy / max(self.row_steps, 1),
-            "rollout/decode_s": self.seconds}
+            "rollout/row_steps": self.row_steps, "rollout/decode_s": self.seconds}
 
 
 @dataclasses.dataclass

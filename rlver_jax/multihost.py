@@ -58,12 +58,14 @@ from sim_user.simulator import Dialogue
 # (the weight's name); any other metric is the plain mean over hosts (e.g. the update
 # metrics, identical on every host).
 _SUMMED_PREFIXES = ("sim/", "dialogues/", "tokens/", "agent_turns/")
-_SUMMED = ("samples", "skipped_updates")
-_MAXED_PREFIXES = ("time/",)
+_SUMMED = ("samples", "skipped_updates", "rollout/row_steps")
+# A step waits for its slowest host.
+_MAXED_PREFIXES = ("time/", "rollout/decode_s", "rollout/sim_wait_s")
 _WEIGHTS = {"reward/mean": "samples", "response_len/mean": "samples",
             "emotion/final_mean": "kept_dialogues", "success_rate": "kept_dialogues",
             "failure_rate": "kept_dialogues", "turns/mean": "dialogues",
-            "format_ok_rate": "dialogues"}
+            "format_ok_rate": "dialogues", "rollout/slot_efficiency": "rollout/row_steps",
+            "rollout/cache_occupancy": "rollout/row_steps"}
 
 
 def allgather_json(value: Any) -> list[Any]:
@@ -362,14 +364,16 @@ class Hosts:
       return metrics
     kept = [d for d in rollout.dialogues if not d.dropped]
     counts = {"samples": len(rollout.samples), "dialogues": len(rollout.dialogues),
-              "kept_dialogues": len(kept)}
+              "kept_dialogues": len(kept),
+              "rollout/row_steps": rollout.metrics.get("rollout/row_steps", 0)}
     for d in kept:  # the weights of emotion/final/<intention>
       key = f"emotion/final/{d.profile.intention}"
       counts[key] = counts.get(key, 0) + 1
     out = self.reduce_metrics(metrics, counts)
     # Rates of the sums, not means of the hosts' rates.
-    if "tokens_per_s" in out:
-      out["tokens_per_s"] = out["tokens/generated"] / max(out["time/rollout"], 1e-9)
+    for rate in ("tokens_per_s", "rollout/tokens_per_s"):
+      if rate in out:
+        out[rate] = out["tokens/generated"] / max(out["time/rollout"], 1e-9)
     if "agent_turns/cut_off_rate" in out:
       out["agent_turns/cut_off_rate"] = (100.0 * out["agent_turns/cut_off"]
                                          / max(out["agent_turns/generated"], 1))

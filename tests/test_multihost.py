@@ -239,3 +239,26 @@ def test_rates_and_per_intention_emotions_weigh_each_hosts_share(monkeypatch):
   assert out["agent_turns/generated"] == 40 and out["agent_turns/cut_off"] == 5
   assert out["agent_turns/cut_off_rate"] == pytest.approx(100 * 5 / 40)  # not (50 + 0) / 2
   assert out["emotion/final/listen"] == pytest.approx((3 * 80 + 40) / 4)
+
+
+def test_rollout_engine_figures_combine_as_sums_over_hosts(monkeypatch):
+  hosts = object.__new__(multihost.Hosts)
+  hosts.count = 2
+  engine = lambda efficiency, occupancy, row_steps, decode_s, tokens: {
+      "rollout/slot_efficiency": efficiency, "rollout/cache_occupancy": occupancy,
+      "rollout/row_steps": row_steps, "rollout/decode_s": decode_s,
+      "rollout/sim_wait_s": 2 * decode_s, "rollout/tokens_per_s": tokens / 4.0,
+      "tokens/generated": tokens, "time/rollout": 4.0}
+  per_host = [{"metrics": engine(1.0, 0.5, 300, 3.0, 300),
+               "counts": {"samples": 1, "dialogues": 1, "kept_dialogues": 1,
+                          "rollout/row_steps": 300}},
+              {"metrics": engine(0.5, 0.2, 100, 1.0, 50),
+               "counts": {"samples": 1, "dialogues": 1, "kept_dialogues": 1,
+                          "rollout/row_steps": 100}}]
+  monkeypatch.setattr(multihost, "allgather_json", lambda value: per_host)
+  out = hosts.reduce_step_metrics({}, Rollout(samples=[], dialogues=[], metrics={}))
+  assert out["rollout/slot_efficiency"] == pytest.approx((300 + 50) / 400)  # tokens / row-steps
+  assert out["rollout/cache_occupancy"] == pytest.approx((300 * 0.5 + 100 * 0.2) / 400)
+  assert out["rollout/row_steps"] == 400
+  assert out["rollout/tokens_per_s"] == pytest.approx(350 / 4.0)  # both hosts decode at once
+  assert out["rollout/decode_s"] == 3.0 and out["rollout/sim_wait_s"] == 6.0  # the slowest host
