@@ -140,7 +140,8 @@ class _Model:
   def sampling_copy(self, mesh, dtype, layout: str):
     """The sampler's copy of the weights (`sampler.decoding_copy`) in `dtype` and `layout`
     (partitioning.SAMPLING_LAYOUTS): its graphdef and sharded abstract weights."""
-    graphdef, abstract_copy, _ = sampler_lib.decoding_copy(self.graphdef, self.params, dtype)
+    graphdef, abstract_copy, _ = sampler_lib.decoding_copy(
+        self.graphdef, self.params, dtype, sampler_lib.layers_as_list(layout, mesh))
     shardings = partitioning.state_shardings(abstract_copy, mesh,
                                              partitioning.SAMPLING_LAYOUTS[layout])
     return graphdef, _abstract(abstract_copy, shardings)
