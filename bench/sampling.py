@@ -82,7 +82,9 @@ def copy_bandwidth_bytes_per_s(megabytes: int = 512) -> float:
 
 def run_ours(path, prompts, new_tokens, repeats, unreachable_stop):
   model = qwen2.from_pretrained(path, dtype="float32")
-  sampler = Sampler(model, stop_token_ids=[unreachable_stop])
+  # Decoding from the sampler's own copy of the weights, as the recipes do
+  # (rollout.sampling_dtype), in fp32 like the peers.
+  sampler = Sampler(model, stop_token_ids=[unreachable_stop], sampling_dtype="float32")
 
   def generate(n):
     out = sampler.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))

@@ -29,6 +29,7 @@ decode and multi-turn continuation alike.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from typing import Any
 
@@ -422,6 +423,29 @@ def _stacked_layers(config: Qwen2Config, *, param_dtype, attention: str,
   return layers
 
 
+def unscanned(model: nnx.Module) -> nnx.Module:
+  """`model` (a Qwen2 or Qwen2Value) with its stacked decoder layers as a list of layer
+  modules, each holding its own slices of the weights; the other weights are shared.
+
+  Its passes loop over the layers in Python instead of scanning them. Decoding reads each
+  layer's weights straight from their own arrays, where a scan slices them out of the stack
+  (the CPU backend copies every slice, every token). Call it under `jit` (as the sampler's
+  weight copy does) so the slices are the jitted function's outputs, not eager copies.
+  """
+  graphdef, state = nnx.split(model)
+  model = nnx.merge(graphdef, state)  # a new module tree over the same arrays
+  layer_graph, layer_state = nnx.split(model.backbone.layers)
+  layers = []
+  for i in range(model.config.num_layers):
+    layer = nnx.merge(layer_graph, jax.tree.map(lambda x: x[i], layer_state))
+    for _, variable in nnx.iter_graph(layer):
+      if isinstance(variable, nnx.Variable):  # the reverse of `_stacked_layers`
+        variable.set_metadata(logical_axes=variable.get_metadata()["logical_axes"][1:])
+    layers.append(layer)
+  model.backbone.layers = nnx.List(layers)
+  return model
+
+
 def default_positions(attention_mask_bt: Array, cache: KVCache | None) -> Array:
   """Positions of new tokens: consecutive over real tokens, after the cache's."""
   mask = attention_mask_bt.astype(jnp.int32)
@@ -438,7 +462,7 @@ class Qwen2Backbone(nnx.Module):
 
   The decoder layers are one stacked module (weights [L, ...], logical axis
   "layers") run under `lax.scan`, so the program holds one layer body
-  whatever the depth. `remat` (a policy in REMAT_POLICIES, or a bool) applies
+  whatever the depth (`unscanned` makes them a list, for decoding). `remat` (a policy in REMAT_POLICIES, or a bool) applies
   to that body on uncached (training) passes; cached sampling passes take
   no gradients and skip it.
   """
@@ -475,20 +499,19 @@ class Qwen2Backbone(nnx.Module):
           cache.kv_positions_bs, new_kv_positions_bt, (0, cache.length))
 
     x_btd = constrain(self.embed[...][input_ids_bt].astype(self.dtype), _RESIDUAL_AXES)
-    layer_graph, layer_state = nnx.split(self.layers)
 
     if cache is None:
-      def body(x_btd, state):
-        layer = nnx.merge(layer_graph, state)
+      def body(layer_graph, x_btd, xs):
+        layer = nnx.merge(layer_graph, xs[0])
         x_btd, _ = layer(x_btd, positions_bt, kv_positions_bs)
         return constrain(x_btd, _RESIDUAL_AXES), None
 
-      x_btd, _ = jax.lax.scan(_checkpointed(body, self.remat), x_btd, layer_state)
+      x_btd = self._through_layers(body, x_btd, checkpointed=True)
       return self.final_norm(x_btd), None
 
     # The stacked cache rides in the carry, so each layer's new keys and values
     # are written in place; the layer reads its own slice back.
-    def cached_body(carry, xs):
+    def cached_body(layer_graph, carry, xs):
       x_btd, k_lbskh, v_lbskh = carry
       state, i = xs
       layer = nnx.merge(layer_graph, state)
@@ -496,14 +519,30 @@ class Qwen2Backbone(nnx.Module):
                                  LayerCache(k_lbskh, v_lbskh, i, cache.length))
       return (constrain(x_btd, _RESIDUAL_AXES), layer_cache.k_lbskh, layer_cache.v_lbskh), None
 
-    layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-    (x_btd, k, v), _ = jax.lax.scan(cached_body, (x_btd, cache.k, cache.v),
-                                    (layer_state, layer_index))
+    x_btd, k, v = self._through_layers(cached_body, (x_btd, cache.k, cache.v),
+                                       checkpointed=False)
     written = (jnp.sum(attention_mask_bt, axis=1, dtype=jnp.int32) if cache.per_row
                else input_ids_bt.shape[1])
     new_cache = KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs,
                         length=cache.length + written)
     return self.final_norm(x_btd), new_cache
+
+  def _through_layers(self, body, carry, *, checkpointed: bool):
+    """`carry` through every decoder layer: body(layer_graph, carry, (layer state, layer
+    index)) -> (carry, None), under `lax.scan` for stacked layers or a Python loop over a
+    layer list (`unscanned`); `checkpointed` applies the remat policy to each layer."""
+    if isinstance(self.layers, nnx.List):
+      for i, layer in enumerate(self.layers):
+        layer_graph, state = nnx.split(layer)
+        step = functools.partial(body, layer_graph)
+        carry, _ = (_checkpointed(step, self.remat) if checkpointed else step)(carry, (state, i))
+      return carry
+    layer_graph, layer_state = nnx.split(self.layers)
+    step = functools.partial(body, layer_graph)
+    layer_index = jnp.arange(self.config.num_layers, dtype=jnp.int32)
+    carry, _ = jax.lax.scan(_checkpointed(step, self.remat) if checkpointed else step, carry,
+                            (layer_state, layer_index))
+    return carry
 
 
 class Qwen2(nnx.Module):

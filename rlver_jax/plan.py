@@ -138,12 +138,13 @@ class _Model:
                                                       self.param_shardings, mesh))
 
   def sampling_copy(self, mesh, dtype, layout: str):
-    """The sampler's copy of the weights in `dtype` and `layout` (partitioning.SAMPLING_LAYOUTS)."""
-    shardings = partitioning.state_shardings(self.params, mesh,
+    """The sampler's copy of the weights (`sampler.decoding_copy`) in `dtype` and `layout`
+    (partitioning.SAMPLING_LAYOUTS): its graphdef and sharded abstract weights."""
+    graphdef, abstract_copy, _ = sampler_lib.decoding_copy(
+        self.graphdef, self.params, dtype, sampler_lib.layers_as_list(layout, mesh))
+    shardings = partitioning.state_shardings(abstract_copy, mesh,
                                              partitioning.SAMPLING_LAYOUTS[layout])
-    cast = lambda x: dtype if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, cast(x), sharding=s),
-                        self.params, shardings)
+    return graphdef, _abstract(abstract_copy, shardings)
 
 
 def sampler_row_programs(graphdef, params, config, mesh, batch, cache_len, prefill_len,
@@ -241,13 +242,14 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
     programs["reference_logprobs"] = forward_pass(policy, functools.partial(
         forward.sequence_logprobs, temperature=1.0))
   if sampler:
-    sampling_params = policy.params
+    sampling_graphdef, sampling_params = policy.graphdef, policy.params
     if sampling_dtype:  # a resident copy for decoding (Sampler(sampling_dtype=...))
-      sampling_params = policy.sampling_copy(mesh, jnp.dtype(sampling_dtype), sampling_layout)
+      sampling_graphdef, sampling_params = policy.sampling_copy(
+          mesh, jnp.dtype(sampling_dtype), sampling_layout)
       resident.append(sampling_params)
       result["sampling_copy_gib"] = _device_gib(sampling_params)
     for name, (program, args, static) in sampler_row_programs(
-        policy.graphdef, sampling_params, config, mesh, batch, cache_len, prefill_len,
+        sampling_graphdef, sampling_params, config, mesh, batch, cache_len, prefill_len,
         dtype).items():
       programs[name] = _compile(program, args, mesh, sampling_params, **static)
   result["programs"] = programs

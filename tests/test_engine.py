@@ -173,6 +173,10 @@ def test_bf16_sampling_weights_refresh_without_recompiling(model, layout):
   assert any("tensor" in x.sharding.spec for x in weights)
   # decode: split over tensor, never over fsdp (no all-gather per token); train: as trained.
   assert any("fsdp" in str(x.sharding.spec) for x in weights) == (layout == "train")
+  # decode: the copy's layers are a list, each layer's weights arrays of their own; train:
+  # a stack, scanned, so each layer's FSDP all-gather lives one layer at a time.
+  layers = nnx.merge(sampler.graphdef, sampler.state).backbone.layers
+  assert isinstance(layers, nnx.List) == (layout == "decode")
   graphdef, state = nnx.split(model)
   cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), state)
   expected = Sampler(nnx.merge(graphdef, cast), stop_token_ids=[STOP]).generate(PROMPTS, GREEDY)

@@ -362,3 +362,32 @@ def test_error_no_safetensors(tmp_path, untied_checkpoint):
   (tmp_path / "bin" / "pytorch_model.bin").write_bytes(b"")
   with pytest.raises(FileNotFoundError, match="no .safetensors.*pytorch_model.bin"):
     qwen2.from_pretrained(tmp_path / "bin")
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_unscanned_layers_give_the_scanned_models_logits_and_cache(remat):
+  model = qwen2.init_random(_small_config(3), seed=3, remat=remat)
+  graphdef, state = nnx.split(model)
+  holder = {}
+
+  def unscan(state):  # under jit, as the sampler builds its copy
+    holder["graphdef"], loop_state = nnx.split(qwen2.unscanned(nnx.merge(graphdef, state)))
+    return loop_state
+
+  loop_state = jax.jit(unscan)(state)
+  loop = nnx.merge(holder["graphdef"], loop_state)
+  assert isinstance(loop.backbone.layers, nnx.List) and len(loop.backbone.layers) == 3
+  q_proj = loop.backbone.layers[1].attn.q_proj
+  assert q_proj.get_metadata()["logical_axes"] == ("embed", "q_heads", "head_dim")
+  np.testing.assert_array_equal(q_proj[...], model.backbone.layers.attn.q_proj[...][1])
+
+  ids = jnp.asarray(random_ids((2, 9), seed=4))
+  np.testing.assert_allclose(loop(ids), model(ids), atol=1e-6, rtol=0)
+  caches = []
+  for m in (model, loop):
+    cache = qwen2.KVCache.init_rows(m.config, batch_size=2, max_len=16, dtype=jnp.float32)
+    logits, cache = m(ids[:, :6], cache=cache)
+    step, cache = m(ids[:, 6:7], cache=cache)
+    caches.append((np.asarray(logits), np.asarray(step), np.asarray(cache.k)))
+  for a, b in zip(*caches):
+    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
