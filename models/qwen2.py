@@ -336,7 +336,11 @@ class Attention(nnx.Module):
 
     out_btnh = attention.attend(q_btnh, k_bskh, v_bskh, positions_bt, kv_positions_bs,
                                 implementation=self.implementation, cached=cache is not None)
-    out_btd = jnp.einsum("btnh,nhd->btd", out_btnh, self.o_proj[...].astype(dtype))
+    # One contraction over the flattened heads: contracting (n, h) as two dims let the CPU
+    # backend pick an (h, n) order and copy the whole o_proj weight transposed, every call.
+    b, t, n, h = out_btnh.shape
+    o_proj_fd = self.o_proj[...].astype(dtype).reshape(n * h, -1)
+    out_btd = jnp.einsum("btf,fd->btd", out_btnh.reshape(b, t, n * h), o_proj_fd)
     return out_btd, cache
 
 
