@@ -14,7 +14,8 @@ separate so tensor parallelism over heads is explicit in the sharding spec.
 
 The decoder layers' weights (q_proj ... down_proj, the layer norms) are
 stacked with a leading [L] axis ("layers", never sharded) and run under
-`lax.scan`; the KV cache is stacked the same way ([L, B, S, K, H]).
+`lax.scan`; the KV cache is stacked the same way ([L, B, K, S, H]: each kv head's slots
+contiguous, so decode attention reads them without a transposed copy).
 
 Shape letters: B batch, T new tokens, S cache slots, D model width, N query
 heads, K key/value heads, G = N // K query heads per kv head, H head width,
@@ -179,15 +180,15 @@ class KVCache:
   caller keeps length[b] + (real tokens) <= S.
   """
 
-  k: Array  # [L, B, S, K, H]
-  v: Array  # [L, B, S, K, H]
+  k: Array  # [L, B, K, S, H]
+  v: Array  # [L, B, K, S, H]
   kv_positions_bs: Array  # int32 [B, S], -1 where empty or padding
   length: Array  # int32 [] slots written so far, or int32 [B] tokens held per row
 
   @classmethod
   def init(cls, config: Qwen2Config, batch_size: int, max_len: int,
            dtype=jnp.bfloat16) -> "KVCache":
-    shape = (config.num_layers, batch_size, max_len, config.num_kv_heads, config.head_size)
+    shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_size)
     # Distinct buffers for k and v, so each can be donated.
     return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                kv_positions_bs=jnp.full((batch_size, max_len), -1, jnp.int32),
@@ -215,7 +216,7 @@ class KVCache:
 
 
 # Logical axes of the cache arrays, for placing them on a mesh.
-KV_CACHE_AXES = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+KV_CACHE_AXES = ("layers", "batch", "kv_heads", "cache_seq", "head_dim")
 # ... and of activations (see partitioning.constrain).
 _RESIDUAL_AXES = ("batch", "seq", None)
 _HEADS_AXES = {"q": ("batch", "seq", "q_heads", "head_dim"),
@@ -259,18 +260,21 @@ def rope(x_btnh: Array, positions_bt: Array, theta: float) -> Array:
   return out.astype(x_btnh.dtype)
 
 
-def write_slots(cache_lbs_, new_bt_, write_index, layer) -> Array:
-  """Writes new entries [B, T, ...] into layer `layer` of a stacked cache [L, B, S, ...].
+def write_slots(cache_lbksh, new_btkh, write_index, layer) -> Array:
+  """Writes new keys or values [B, T, K, H] into layer `layer` of a stacked cache
+  [L, B, K, S, H].
 
   `write_index`: one slot for every row (a scalar, shared layout) or each
   row's own first slot ([B], per-row layout; writes past S are dropped).
   """
   if jnp.ndim(write_index) == 0:
-    start = (layer, 0, write_index) + (0,) * (new_bt_.ndim - 2)
-    return jax.lax.dynamic_update_slice(cache_lbs_, new_bt_[None], start)
-  b, t = new_bt_.shape[:2]
+    return jax.lax.dynamic_update_slice(cache_lbksh, new_btkh.swapaxes(1, 2)[None],
+                                        (layer, 0, 0, write_index, 0))
+  b, t = new_btkh.shape[:2]
   slots_bt = write_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-  return cache_lbs_.at[layer, jnp.arange(b)[:, None], slots_bt].set(new_bt_, mode="drop")
+  # The advanced indices (layer, row, slot) are split by the kv-head slice, so the
+  # indexed entries come out as [B, T, K, H], the new entries' own shape.
+  return cache_lbksh.at[layer, jnp.arange(b)[:, None], :, slots_bt].set(new_btkh, mode="drop")
 
 
 @struct.dataclass
@@ -278,8 +282,8 @@ class LayerCache:
   """What one decoder layer of a cached pass reads and writes: the stacked keys and values of
   every layer, its own index among them, and the slot its new tokens start at."""
 
-  k_lbskh: Array  # [L, B, S, K, H]
-  v_lbskh: Array  # [L, B, S, K, H]
+  k_lbksh: Array  # [L, B, K, S, H]
+  v_lbksh: Array  # [L, B, K, S, H]
   layer: Array  # int32 []
   write_index: Array  # int32 [] (shared layout) or [B] (per-row layout); see `write_slots`
 
@@ -288,12 +292,14 @@ class LayerCache:
     [B, S, K, H] read back from it. Writing first and reading after lets XLA update the
     stack in place; attending over a copy of the old slice made it copy the whole stack
     in every layer (4 copies of the cache per layer and token on the CPU backend)."""
-    k_lbskh = write_slots(self.k_lbskh, k_btkh.astype(self.k_lbskh.dtype), self.write_index,
+    k_lbksh = write_slots(self.k_lbksh, k_btkh.astype(self.k_lbksh.dtype), self.write_index,
                           self.layer)
-    v_lbskh = write_slots(self.v_lbskh, v_btkh.astype(self.v_lbskh.dtype), self.write_index,
+    v_lbksh = write_slots(self.v_lbksh, v_btkh.astype(self.v_lbksh.dtype), self.write_index,
                           self.layer)
-    return (self.replace(k_lbskh=k_lbskh, v_lbskh=v_lbskh), k_lbskh[self.layer],
-            v_lbskh[self.layer])
+    # Viewed as [B, S, K, H]; attention's contraction takes the kv heads as a batch dim, so
+    # XLA folds the swap back into the dot instead of copying.
+    return (self.replace(k_lbksh=k_lbksh, v_lbksh=v_lbksh), k_lbksh[self.layer].swapaxes(1, 2),
+            v_lbksh[self.layer].swapaxes(1, 2))
 
 
 class Attention(nnx.Module):
@@ -516,12 +522,12 @@ class Qwen2Backbone(nnx.Module):
     # The stacked cache rides in the carry, so each layer's new keys and values
     # are written in place; the layer reads its own slice back.
     def cached_body(layer_graph, carry, xs):
-      x_btd, k_lbskh, v_lbskh = carry
+      x_btd, k_lbksh, v_lbksh = carry
       state, i = xs
       layer = nnx.merge(layer_graph, state)
       x_btd, layer_cache = layer(x_btd, positions_bt, kv_positions_bs,
-                                 LayerCache(k_lbskh, v_lbskh, i, cache.length))
-      return (constrain(x_btd, _RESIDUAL_AXES), layer_cache.k_lbskh, layer_cache.v_lbskh), None
+                                 LayerCache(k_lbksh, v_lbksh, i, cache.length))
+      return (constrain(x_btd, _RESIDUAL_AXES), layer_cache.k_lbksh, layer_cache.v_lbksh), None
 
     x_btd, k, v = self._through_layers(cached_body, (x_btd, cache.k, cache.v),
                                        checkpointed=False)

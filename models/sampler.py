@@ -391,7 +391,7 @@ class Sampler:
     if needed_slots <= cache.max_len:
       return cache
     extra = bucket_size(needed_slots, self.min_cache_bucket) - cache.max_len
-    pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0)))
+    pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0)))
     return self._place_cache(KVCache(
         k=pad_kv(cache.k), v=pad_kv(cache.v),
         kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
@@ -670,7 +670,7 @@ def _on_each_shard(fn, args, batch_dims, out_batch_dims):
                        out_specs=tuple(map(spec, out_batch_dims)), axis_names=set(axes))(*args)
 
 
-# Batch axes of (k, v, kv_positions_bs, logits): the cache's k and v are [L, B, S, K, H].
+# Batch axes of (k, v, kv_positions_bs, logits): the cache's k and v are [L, B, K, S, H].
 _ROW_ARRAYS_BATCH_DIMS = (1, 1, 0, 0)
 
 
@@ -681,7 +681,7 @@ def _gather_rows(cache: KVCache, logits_bv, index_k, rows_k, slots: int):
 
   def take_local(k, v, kv_positions_bs, logits_bv, index_k):
     take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")
-    return (take(k, 1)[:, :, :slots], take(v, 1)[:, :, :slots],
+    return (take(k, 1)[..., :slots, :], take(v, 1)[..., :slots, :],
             take(kv_positions_bs, 0)[:, :slots], take(logits_bv, 0))
 
   k, v, kv_positions_bs, row_logits_kv = _on_each_shard(
@@ -699,7 +699,7 @@ def _scatter_rows(cache: KVCache, logits_bv, index_k, rows_k, rows: KVCache, row
 
   def put_local(k, v, kv_positions_bs, logits_bv, index_k, row_k, row_v, row_positions,
                 row_logits_kv):
-    put_slots = lambda x, new: x.at[:, index_k, :slots].set(new, mode="drop")
+    put_slots = lambda x, new: x.at[:, index_k, :, :slots].set(new, mode="drop")
     return (put_slots(k, row_k), put_slots(v, row_v),
             kv_positions_bs.at[index_k, :slots].set(row_positions, mode="drop"),
             logits_bv.at[index_k].set(row_logits_kv, mode="drop"))

@@ -181,7 +181,7 @@ def sampler_row_programs(graphdef, params, config, mesh, batch, cache_len, prefi
 
 def kv_cache_gib(config: qwen2.Qwen2Config, mesh, batch: int, cache_len: int, dtype) -> float:
   """Per-device bytes of the sampler's k and v caches, all layers, in GiB."""
-  shape = (config.num_layers, batch, cache_len, config.num_kv_heads, config.head_size)
+  shape = (config.num_layers, batch, config.num_kv_heads, cache_len, config.head_size)
   shard = partitioning.named_sharding(qwen2.KV_CACHE_AXES, shape, mesh).shard_shape(shape)
   return 2 * math.prod(shard) * jnp.dtype(dtype).itemsize / GIB
 
