@@ -11,10 +11,12 @@ continuous rollout engine uses ("ours_rows": per-row cache, decode in chunks
 of `decode_chunk_steps`), each compared with every peer. For each engine:
 compile (first call) time, prefill throughput (prompt tokens/s of a
 one-token generation) and decode throughput (new tokens/s of the rest:
-B * (N - 1) / (t_N - t_1)). Also the memory-bandwidth floor of a
-decode step (weight bytes / measured copy bandwidth) and a multi-turn
-comparison: an --turns-turn dialogue batch with cache reuse against
-re-prefilling the whole history every turn. Needs `pip install -e .[bench]`.
+B * (N - 1) / (t_N - t_1)). The engines' timed calls take turns, round by
+round, so a shared machine that slows down for a while slows every engine
+alike. Also the memory-bandwidth floor of a decode step (weight bytes /
+measured copy bandwidth) and a multi-turn comparison: an --turns-turn dialogue
+batch with cache reuse against re-prefilling the whole history every turn.
+Needs `pip install -e .[bench]`.
 """
 
 from __future__ import annotations
@@ -54,22 +56,35 @@ def best_time(fn, repeats: int) -> float:
   return min(times)
 
 
-def throughput(generate, batch, prompt_len, new_tokens, repeats) -> dict:
-  """generate(n) must produce n new tokens for every row of the batch."""
-  start = time.perf_counter()
-  generate(1)
-  generate(new_tokens)  # compiles both shapes where an engine compiles
-  first_calls = time.perf_counter() - start
-  t_one = best_time(lambda: generate(1), repeats)
-  t_all = best_time(lambda: generate(new_tokens), repeats)
-  return {
-      "first_calls_s": first_calls,
-      "prefill_s": t_one,
-      "prefill_tokens_per_s": batch * prompt_len / t_one,
-      "decode_s": t_all - t_one,
-      "decode_tokens_per_s": batch * (new_tokens - 1) / (t_all - t_one),
-      "total_s": t_all,
-  }
+def throughput(engines: dict, batch, prompt_len, new_tokens, repeats) -> dict:
+  """Name -> throughput of each engine in `engines` (name -> generate(n), which must
+  produce n new tokens for every row of the batch).
+
+  The engines take turns: every round times each of them once, so a shared machine that
+  slows down for a while slows them all alike; each keeps its best round.
+  """
+  first_calls = {}
+  for name, generate in engines.items():
+    start = time.perf_counter()
+    generate(1)
+    generate(new_tokens)  # compiles both shapes where an engine compiles
+    first_calls[name] = time.perf_counter() - start
+  t_one = {name: float("inf") for name in engines}
+  t_all = dict(t_one)
+  for _ in range(repeats):
+    for name, generate in engines.items():
+      t_one[name] = min(t_one[name], best_time(lambda: generate(1), 1))
+      t_all[name] = min(t_all[name], best_time(lambda: generate(new_tokens), 1))
+      logging.info("%s: best so far %.1f s for %d new tokens, %.1f s for 1", name,
+                   t_all[name], new_tokens, t_one[name])
+  return {name: {
+      "first_calls_s": first_calls[name],
+      "prefill_s": t_one[name],
+      "prefill_tokens_per_s": batch * prompt_len / t_one[name],
+      "decode_s": t_all[name] - t_one[name],
+      "decode_tokens_per_s": batch * (new_tokens - 1) / (t_all[name] - t_one[name]),
+      "total_s": t_all[name],
+  } for name in engines}
 
 
 def copy_bandwidth_bytes_per_s(megabytes: int = 512) -> float:
@@ -80,7 +95,8 @@ def copy_bandwidth_bytes_per_s(megabytes: int = 512) -> float:
   return 2 * src.nbytes / seconds
 
 
-def run_ours(path, prompts, new_tokens, repeats, unreachable_stop):
+def run_ours(path, prompts, unreachable_stop):
+  """Our batch calls: generate(n) -> each row's n new tokens, and the sampler."""
   model = qwen2.from_pretrained(path, dtype="float32")
   # Decoding from the sampler's own copy of the weights, as the recipes do
   # (rollout.sampling_dtype), in fp32 like the peers.
@@ -89,13 +105,12 @@ def run_ours(path, prompts, new_tokens, repeats, unreachable_stop):
   def generate(n):
     out = sampler.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))
     assert all(length == n for length in out.lengths)
-    return out
+    return out.tokens
 
-  result = throughput(generate, len(prompts), len(prompts[0]), new_tokens, repeats)
-  return result, sampler, generate(new_tokens).tokens
+  return generate, sampler
 
 
-def run_rows(sampler, prompts, new_tokens, repeats):
+def run_rows(sampler, prompts):
   """Our row API as the continuous rollout engine drives it: rows prefilled into a per-row
   cache, then decoded in chunks of `decode_chunk_steps` steps."""
 
@@ -112,11 +127,10 @@ def run_rows(sampler, prompts, new_tokens, repeats):
         t.extend(new)
     return tokens
 
-  result = throughput(generate, len(prompts), len(prompts[0]), new_tokens, repeats)
-  return result, generate(new_tokens)
+  return generate
 
 
-def run_transformers(path, prompts, new_tokens, repeats):
+def run_transformers(path, prompts):
   import torch
   import transformers
   model = transformers.Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -128,8 +142,7 @@ def run_transformers(path, prompts, new_tokens, repeats):
                            min_new_tokens=n, do_sample=False, pad_token_id=0)
     return out[:, ids.shape[1]:].tolist()
 
-  return throughput(generate, len(prompts), len(prompts[0]), new_tokens, repeats), generate(
-      new_tokens)
+  return generate
 
 
 class _IdTokenizer:
@@ -154,7 +167,7 @@ class _IdTokenizer:
     return 0
 
 
-def run_tunix(path, config: qwen2.Qwen2Config, prompts, new_tokens, repeats, unreachable_stop):
+def run_tunix(path, config: qwen2.Qwen2Config, prompts, new_tokens, unreachable_stop):
   from tunix.generate import sampler as tunix_sampler
   from tunix.models.qwen2 import model as tunix_model
   from tunix.models.qwen2 import params as tunix_params
@@ -178,7 +191,7 @@ def run_tunix(path, config: qwen2.Qwen2Config, prompts, new_tokens, repeats, unr
                   eos_tokens=[unreachable_stop])
     return [list(map(int, t)) for t in out.tokens]
 
-  return throughput(generate, len(prompts), prompt_len, new_tokens, repeats), generate(new_tokens)
+  return generate
 
 
 def multi_turn(sampler: Sampler, prompts, turns, turn_tokens, vocab) -> dict:
@@ -237,27 +250,19 @@ def main(argv):
     qwen2.save_pretrained(model, path)
     del model
 
-    logging.info("ours")
-    ours, sampler, ours_tokens = run_ours(path, prompts, new_tokens, _REPEATS.value,
-                                          unreachable_stop)
-    results["engines"]["ours"] = ours
-    logging.info("ours, row API")
-    rows, rows_tokens = run_rows(sampler, prompts, new_tokens, _REPEATS.value)
-    rows["same_tokens_as_ours"] = rows_tokens == ours_tokens
-    results["engines"]["ours_rows"] = rows
+    logging.info("loading the engines")
+    generate_ours, sampler = run_ours(path, prompts, unreachable_stop)
+    engines = {"ours": generate_ours, "ours_rows": run_rows(sampler, prompts)}
     if "transformers" in _PEERS.value:
-      logging.info("transformers")
-      hf, hf_tokens = run_transformers(path, prompts, new_tokens, _REPEATS.value)
-      hf["same_tokens_as_ours"] = hf_tokens == ours_tokens
-      results["engines"]["transformers"] = hf
-      write(results)
+      engines["transformers"] = run_transformers(path, prompts)
     if "tunix" in _PEERS.value:
-      logging.info("tunix")
-      tx, tx_tokens = run_tunix(path, config, prompts, new_tokens, _REPEATS.value,
-                                unreachable_stop)
-      tx["same_tokens_as_ours"] = tx_tokens == ours_tokens
-      results["engines"]["tunix"] = tx
-      write(results)
+      engines["tunix"] = run_tunix(path, config, prompts, new_tokens, unreachable_stop)
+    results["engines"] = throughput(engines, batch, prompt_len, new_tokens, _REPEATS.value)
+    ours_tokens = generate_ours(new_tokens)
+    for name, generate in engines.items():
+      if name != "ours":
+        results["engines"][name]["same_tokens_as_ours"] = generate(new_tokens) == ours_tokens
+    ours = results["engines"]["ours"]
     write(results)
     if _TURNS.value:
       logging.info("multi-turn")
