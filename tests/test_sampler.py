@@ -197,18 +197,23 @@ def test_sampler_runs_a_rematerialised_model(checkpoint):
                              atol=1e-5)
 
 
-@pytest.mark.parametrize("per_row", [False, True])
-def test_a_cached_pass_writes_the_stacked_cache_in_place(checkpoint, per_row):
-  """No layer copies the whole stacked KV cache. When each layer attended over a copy of its
-  old slice and then wrote its new keys into the stack, XLA copied the stack four times per
-  layer and token (on the CPU backend: decode 1.7x slower at the 0.5B shape)."""
-  model = checkpoint[2]
+def _compiled_decode_step(model, per_row: bool) -> tuple[str, qwen2.KVCache]:
+  """The optimized HLO of a one-token cached pass of `model` over 2 rows and 32 slots, and
+  the cache it takes."""
   init = qwen2.KVCache.init_rows if per_row else qwen2.KVCache.init
   cache = init(model.config, batch_size=2, max_len=32, dtype=jnp.float32)
   graphdef, state = nnx.split(model)
   step = jax.jit(lambda state, cache, ids: nnx.merge(graphdef, state).backbone(ids, cache=cache),
                  donate_argnums=1)
-  hlo = step.lower(state, cache, jnp.zeros((2, 1), jnp.int32)).compile().as_text()
+  return step.lower(state, cache, jnp.zeros((2, 1), jnp.int32)).compile().as_text(), cache
+
+
+@pytest.mark.parametrize("per_row", [False, True])
+def test_a_cached_pass_writes_the_stacked_cache_in_place(checkpoint, per_row):
+  """No layer copies the whole stacked KV cache. When each layer attended over a copy of its
+  old slice and then wrote its new keys into the stack, XLA copied the stack four times per
+  layer and token (on the CPU backend: decode 1.7x slower at the 0.5B shape)."""
+  hlo, cache = _compiled_decode_step(checkpoint[2], per_row)
   stack = r"f32\[" + ",".join(map(str, cache.k.shape)) + r"\]"
   assert re.findall(stack + r"\{[^}]*\} dynamic-update-slice|" + stack + r"\{[^}]*\} fusion",
                     hlo)  # the pattern finds the stack's in-place writes
@@ -220,13 +225,7 @@ def test_decode_attention_reads_each_layers_cache_without_copying_it(checkpoint,
   """A decode step attends over a layer's keys and values [B, K, S, H] where they lie. With
   the cache as [L, B, S, K, H], the CPU backend copied both transposed in every layer
   (decode attention 2.1x slower at the 0.5B shape, 256 slots)."""
-  model = checkpoint[2]
-  init = qwen2.KVCache.init_rows if per_row else qwen2.KVCache.init
-  cache = init(model.config, batch_size=2, max_len=32, dtype=jnp.float32)
-  graphdef, state = nnx.split(model)
-  step = jax.jit(lambda state, cache, ids: nnx.merge(graphdef, state).backbone(ids, cache=cache),
-                 donate_argnums=1)
-  hlo = step.lower(state, cache, jnp.zeros((2, 1), jnp.int32)).compile().as_text()
+  hlo, cache = _compiled_decode_step(checkpoint[2], per_row)
   _, batch, kv_heads, slots, head = cache.k.shape
   one_layer = (batch, kv_heads, slots, head)
   for shape in set(itertools.permutations(one_layer)):
