@@ -56,18 +56,19 @@ def best_time(fn, repeats: int) -> float:
   return min(times)
 
 
-def throughput(engines: dict, batch, prompt_len, new_tokens, repeats) -> dict:
+def throughput(engines: dict, batch, prompt_len, new_tokens, repeats) -> tuple[dict, dict]:
   """Name -> throughput of each engine in `engines` (name -> generate(n), which must
-  produce n new tokens for every row of the batch).
+  return n new tokens for every row of the batch), and name -> the tokens of its first
+  `new_tokens` call.
 
   The engines take turns: every round times each of them once, so a shared machine that
   slows down for a while slows them all alike; each keeps its best round.
   """
-  first_calls = {}
+  first_calls, tokens = {}, {}
   for name, generate in engines.items():
     start = time.perf_counter()
     generate(1)
-    generate(new_tokens)  # compiles both shapes where an engine compiles
+    tokens[name] = generate(new_tokens)  # compiles both shapes where an engine compiles
     first_calls[name] = time.perf_counter() - start
   t_one = {name: float("inf") for name in engines}
   t_all = dict(t_one)
@@ -84,7 +85,7 @@ def throughput(engines: dict, batch, prompt_len, new_tokens, repeats) -> dict:
       "decode_s": t_all[name] - t_one[name],
       "decode_tokens_per_s": batch * (new_tokens - 1) / (t_all[name] - t_one[name]),
       "total_s": t_all[name],
-  } for name in engines}
+  } for name in engines}, tokens
 
 
 def copy_bandwidth_bytes_per_s(megabytes: int = 512) -> float:
@@ -257,11 +258,11 @@ def main(argv):
       engines["transformers"] = run_transformers(path, prompts)
     if "tunix" in _PEERS.value:
       engines["tunix"] = run_tunix(path, config, prompts, new_tokens, unreachable_stop)
-    results["engines"] = throughput(engines, batch, prompt_len, new_tokens, _REPEATS.value)
-    ours_tokens = generate_ours(new_tokens)
-    for name, generate in engines.items():
+    results["engines"], tokens = throughput(engines, batch, prompt_len, new_tokens,
+                                            _REPEATS.value)
+    for name in engines:
       if name != "ours":
-        results["engines"][name]["same_tokens_as_ours"] = generate(new_tokens) == ours_tokens
+        results["engines"][name]["same_tokens_as_ours"] = tokens[name] == tokens["ours"]
     ours = results["engines"]["ours"]
     write(results)
     if _TURNS.value:
