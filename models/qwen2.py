@@ -178,28 +178,43 @@ class KVCache:
   slot length[b] on and its length grows by its real-token count, so padding
   and rows with no new tokens leave no holes. Writes past S are dropped; the
   caller keeps length[b] + (real tokens) <= S.
+
+  Keys and values are one stack [L, B, K, S, H] for a model that scans its
+  layers, or, for one whose layers are a list (`unscanned`), L arrays
+  [B, K, S, H] of their own (`layers_as_list`): a layer then attends over its
+  keys where they lie, where reading a layer out of a stack copies it (the
+  CPU backend copies both, every layer and token). Work on every layer's
+  arrays alike goes through `map_kv`, with axes counted from the end.
   """
 
-  k: Array  # [L, B, K, S, H]
-  v: Array  # [L, B, K, S, H]
+  k: Array | tuple[Array, ...]  # [L, B, K, S, H], or L arrays [B, K, S, H]
+  v: Array | tuple[Array, ...]  # as k
   kv_positions_bs: Array  # int32 [B, S], -1 where empty or padding
   length: Array  # int32 [] slots written so far, or int32 [B] tokens held per row
 
   @classmethod
-  def init(cls, config: Qwen2Config, batch_size: int, max_len: int,
-           dtype=jnp.bfloat16) -> "KVCache":
-    shape = (config.num_layers, batch_size, config.num_kv_heads, max_len, config.head_size)
-    # Distinct buffers for k and v, so each can be donated.
-    return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-               kv_positions_bs=jnp.full((batch_size, max_len), -1, jnp.int32),
+  def init(cls, config: Qwen2Config, batch_size: int, max_len: int, dtype=jnp.bfloat16,
+           layers_as_list: bool = False) -> "KVCache":
+    shape = (batch_size, config.num_kv_heads, max_len, config.head_size)
+    # Distinct buffers for k and v (and each layer's, as a list), so each can be donated.
+    if layers_as_list:
+      new = lambda: tuple(jnp.zeros(shape, dtype) for _ in range(config.num_layers))
+    else:
+      new = lambda: jnp.zeros((config.num_layers, *shape), dtype)
+    return cls(k=new(), v=new(), kv_positions_bs=jnp.full((batch_size, max_len), -1, jnp.int32),
                length=jnp.zeros((), jnp.int32))
 
   @classmethod
-  def init_rows(cls, config: Qwen2Config, batch_size: int, max_len: int,
-                dtype=jnp.bfloat16) -> "KVCache":
+  def init_rows(cls, config: Qwen2Config, batch_size: int, max_len: int, dtype=jnp.bfloat16,
+                layers_as_list: bool = False) -> "KVCache":
     """An empty cache in the per-row layout."""
-    cache = cls.init(config, batch_size, max_len, dtype)
+    cache = cls.init(config, batch_size, max_len, dtype, layers_as_list)
     return cache.replace(length=jnp.zeros((batch_size,), jnp.int32))
+
+  def map_kv(self, fn) -> "KVCache":
+    """The cache with `fn` applied to each array of keys and values ([L, B, K, S, H] or
+    [B, K, S, H]: B is axis -4, S axis -2)."""
+    return self.replace(k=jax.tree.map(fn, self.k), v=jax.tree.map(fn, self.v))
 
   @property
   def per_row(self) -> bool:
@@ -260,46 +275,64 @@ def rope(x_btnh: Array, positions_bt: Array, theta: float) -> Array:
   return out.astype(x_btnh.dtype)
 
 
-def write_slots(cache_lbksh, new_btkh, write_index, layer) -> Array:
+def write_slots(cache, new_btkh, write_index, layer) -> Array:
   """Writes new keys or values [B, T, K, H] into layer `layer` of a stacked cache
-  [L, B, K, S, H].
+  [L, B, K, S, H], or (`layer` None) into one layer's own cache [B, K, S, H].
 
   `write_index`: one slot for every row (a scalar, shared layout) or each
   row's own first slot ([B], per-row layout; writes past S are dropped).
   """
+  at_layer = () if layer is None else (layer,)
   if jnp.ndim(write_index) == 0:
-    return jax.lax.dynamic_update_slice(cache_lbksh, new_btkh.swapaxes(1, 2)[None],
-                                        (layer, 0, 0, write_index, 0))
+    new = new_btkh.swapaxes(1, 2)[(None,) * len(at_layer)]
+    return jax.lax.dynamic_update_slice(cache, new, (*at_layer, 0, 0, write_index, 0))
   b, t = new_btkh.shape[:2]
   slots_bt = write_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-  # The advanced indices (layer, row, slot) are split by the kv-head slice, so the
+  # The advanced indices ((layer,) row, slot) are split by the kv-head slice, so the
   # indexed entries come out as [B, T, K, H], the new entries' own shape.
-  return cache_lbksh.at[layer, jnp.arange(b)[:, None], :, slots_bt].set(new_btkh, mode="drop")
+  return cache.at[(*at_layer, jnp.arange(b)[:, None], slice(None), slots_bt)].set(
+      new_btkh, mode="drop")
 
 
 @struct.dataclass
 class LayerCache:
   """What one decoder layer of a cached pass reads and writes: the stacked keys and values of
-  every layer, its own index among them, and the slot its new tokens start at."""
+  every layer and its own index among them (or its own keys and values), and the slot its
+  new tokens start at."""
 
-  k_lbksh: Array  # [L, B, K, S, H]
-  v_lbksh: Array  # [L, B, K, S, H]
-  layer: Array  # int32 []
+  k: Array  # [L, B, K, S, H] (a stack), or [B, K, S, H] (the layer's own: `layer` None)
+  v: Array  # as k
+  layer: Array | int | None  # int32 [] under a scan, an int in a Python loop
   write_index: Array  # int32 [] (shared layout) or [B] (per-row layout); see `write_slots`
+
+  @classmethod
+  def of(cls, k, v, layer, write_index) -> "LayerCache":
+    """Layer `layer`'s part of a cache's keys and values (`KVCache.k`, `KVCache.v`)."""
+    if isinstance(k, tuple):
+      if not isinstance(layer, int):
+        raise ValueError("a cache of one array per layer (layers_as_list) needs a model whose "
+                         "layers are a list (qwen2.unscanned); this one scans them")
+      return cls(k[layer], v[layer], None, write_index)
+    return cls(k, v, layer, write_index)
+
+  def into(self, k, v, layer) -> tuple:
+    """The cache's keys and values `k`, `v` with this layer's part written back."""
+    if isinstance(k, tuple):
+      put = lambda arrays, new: arrays[:layer] + (new,) + arrays[layer + 1:]
+      return put(k, self.k), put(v, self.v)
+    return self.k, self.v
 
   def written(self, k_btkh, v_btkh) -> tuple["LayerCache", Array, Array]:
     """The cache with the new keys and values written in, and this layer's keys and values
     [B, S, K, H] read back from it. Writing first and reading after lets XLA update the
     stack in place; attending over a copy of the old slice made it copy the whole stack
     in every layer (4 copies of the cache per layer and token on the CPU backend)."""
-    k_lbksh = write_slots(self.k_lbksh, k_btkh.astype(self.k_lbksh.dtype), self.write_index,
-                          self.layer)
-    v_lbksh = write_slots(self.v_lbksh, v_btkh.astype(self.v_lbksh.dtype), self.write_index,
-                          self.layer)
+    k = write_slots(self.k, k_btkh.astype(self.k.dtype), self.write_index, self.layer)
+    v = write_slots(self.v, v_btkh.astype(self.v.dtype), self.write_index, self.layer)
+    layer_of = lambda x: x if self.layer is None else x[self.layer]
     # Viewed as [B, S, K, H]; attention's contraction takes the kv heads as a batch dim, so
     # XLA folds the swap back into the dot instead of copying.
-    return (self.replace(k_lbksh=k_lbksh, v_lbksh=v_lbksh), k_lbksh[self.layer].swapaxes(1, 2),
-            v_lbksh[self.layer].swapaxes(1, 2))
+    return (self.replace(k=k, v=v), layer_of(k).swapaxes(1, 2), layer_of(v).swapaxes(1, 2))
 
 
 class Attention(nnx.Module):
@@ -519,15 +552,15 @@ class Qwen2Backbone(nnx.Module):
       x_btd = self._through_layers(body, x_btd, checkpointed=True)
       return self.final_norm(x_btd), None
 
-    # The stacked cache rides in the carry, so each layer's new keys and values
-    # are written in place; the layer reads its own slice back.
+    # The cache rides in the carry, so each layer's new keys and values are
+    # written in place; the layer reads its own part back.
     def cached_body(layer_graph, carry, xs):
-      x_btd, k_lbksh, v_lbksh = carry
+      x_btd, k, v = carry
       state, i = xs
       layer = nnx.merge(layer_graph, state)
       x_btd, layer_cache = layer(x_btd, positions_bt, kv_positions_bs,
-                                 LayerCache(k_lbksh, v_lbksh, i, cache.length))
-      return (constrain(x_btd, _RESIDUAL_AXES), layer_cache.k_lbksh, layer_cache.v_lbksh), None
+                                 LayerCache.of(k, v, i, cache.length))
+      return (constrain(x_btd, _RESIDUAL_AXES), *layer_cache.into(k, v, i)), None
 
     x_btd, k, v = self._through_layers(cached_body, (x_btd, cache.k, cache.v),
                                        checkpointed=False)

@@ -320,9 +320,12 @@ class Sampler:
     self.sampling_dtype = None if sampling_dtype is None else jnp.dtype(sampling_dtype)
     self.stats = DecodeStats()
     self._cast = None
+    # The cache follows the layers it is decoded with: one array per layer for a list.
+    self.cache_layers_as_list = isinstance(model.backbone.layers, nnx.List)
     if self.sampling_dtype is not None:
+      self.cache_layers_as_list = layers_as_list(sampling_layout, mesh)
       self.graphdef, abstract_copy, copy = decoding_copy(
-          self.graphdef, state, self.sampling_dtype, layers_as_list(sampling_layout, mesh))
+          self.graphdef, state, self.sampling_dtype, self.cache_layers_as_list)
       shardings = (None if mesh is None else partitioning.state_shardings(
           abstract_copy, mesh, partitioning.SAMPLING_LAYOUTS[sampling_layout]))
       # The old copy is donated (and kept, though unread: jit drops unused arguments, and
@@ -362,10 +365,10 @@ class Sampler:
   def _place_cache(self, cache: KVCache) -> KVCache:
     if self.mesh is None:
       return cache
-    return KVCache(k=self._put(cache.k, KV_CACHE_AXES), v=self._put(cache.v, KV_CACHE_AXES),
-                   kv_positions_bs=self._put(cache.kv_positions_bs, ("batch", "cache_seq")),
-                   # replicated: a scalar, or [B] per-row lengths the host reads
-                   length=self._put(cache.length, (None,) * cache.length.ndim))
+    return cache.map_kv(lambda x: self._put(x, KV_CACHE_AXES[-x.ndim:])).replace(
+        kv_positions_bs=self._put(cache.kv_positions_bs, ("batch", "cache_seq")),
+        # replicated: a scalar, or [B] per-row lengths the host reads
+        length=self._put(cache.length, (None,) * cache.length.ndim))
 
   # Conversations.
 
@@ -382,7 +385,7 @@ class Sampler:
       raise ValueError(f"{len(row_ids)} row ids for {num_rows} rows")
     batch = self._batch_bucket(num_rows)
     slots = bucket_size(capacity, self.min_cache_bucket)
-    cache = KVCache.init(self.config, batch, slots, self.cache_dtype)
+    cache = KVCache.init(self.config, batch, slots, self.cache_dtype, self.cache_layers_as_list)
     return Conversations(cache=self._place_cache(cache), row_ids=row_ids,
                          reply_ended=[True] * num_rows)
 
@@ -391,11 +394,9 @@ class Sampler:
     if needed_slots <= cache.max_len:
       return cache
     extra = bucket_size(needed_slots, self.min_cache_bucket) - cache.max_len
-    pad_kv = lambda x: jnp.pad(x, ((0, 0), (0, 0), (0, 0), (0, extra), (0, 0)))
-    return self._place_cache(KVCache(
-        k=pad_kv(cache.k), v=pad_kv(cache.v),
-        kv_positions_bs=jnp.pad(cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1),
-        length=cache.length))
+    cache = cache.map_kv(lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)]))
+    return self._place_cache(cache.replace(kv_positions_bs=jnp.pad(
+        cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1)))
 
   def select(self, convs: Conversations, rows: Sequence[int]) -> None:
     """Keeps the given rows, in that order, in a batch of the smallest bucket."""
@@ -406,9 +407,8 @@ class Sampler:
       raise IndexError(f"rows {rows} out of range for {convs.num_rows} dialogues")
     batch = self._batch_bucket(len(rows))
     index = jnp.asarray(rows + [rows[0]] * (batch - len(rows)), jnp.int32)
-    cache = convs.cache
-    cache = KVCache(k=cache.k[:, index], v=cache.v[:, index],
-                    kv_positions_bs=cache.kv_positions_bs[index], length=cache.length)
+    cache = convs.cache.map_kv(lambda x: x[..., index, :, :, :])
+    cache = cache.replace(kv_positions_bs=cache.kv_positions_bs[index])
     # Filler rows duplicate a real row; they are marked done and never read.
     convs.cache = self._place_cache(cache)
     convs.row_ids = [convs.row_ids[r] for r in rows]
@@ -496,7 +496,8 @@ class Sampler:
     shards = self.data_parallel_size()
     batch = math.lcm(num_rows, shards)
     slots = bucket_size(capacity, self.min_cache_bucket)
-    cache = self._place_cache(KVCache.init_rows(self.config, batch, slots, self.cache_dtype))
+    cache = self._place_cache(KVCache.init_rows(self.config, batch, slots, self.cache_dtype,
+                                                self.cache_layers_as_list))
     logits_bv = self._put(jnp.zeros((batch, self.config.vocab_size), jnp.float32),
                           ("batch", None))
     return RowBatch(cache=cache, logits_bv=logits_bv, lengths=np.zeros(batch, np.int64),
@@ -656,7 +657,8 @@ def _batch_mesh_axes() -> tuple[str, ...]:
 def _on_each_shard(fn, args, batch_dims, out_batch_dims):
   """`fn(*args)` run by every data shard on its own rows: each array of `args` and of fn's
   results (a tuple) is split over the batch mesh axes at its axis in `batch_dims` and
-  `out_batch_dims`; other mesh axes are left to the partitioner.
+  `out_batch_dims` (counted from the end, so one entry serves a stack of layers' arrays and
+  a list of them); other mesh axes are left to the partitioner.
 
   Each shard's entries of `index_k` are the local ids of rows it holds (see
   `Sampler._row_index`), so a row call moves no cache row between shards (the
@@ -665,13 +667,18 @@ def _on_each_shard(fn, args, batch_dims, out_batch_dims):
   axes = _batch_mesh_axes()
   if not axes:
     return fn(*args)
-  spec = lambda dim: PartitionSpec(*(None,) * dim, axes)
-  return jax.shard_map(fn, in_specs=tuple(map(spec, batch_dims)),
-                       out_specs=tuple(map(spec, out_batch_dims)), axis_names=set(axes))(*args)
+  def specs(trees, dims):
+    spec = lambda x, dim: PartitionSpec(*(None,) * (x.ndim + dim), axes)
+    return tuple(jax.tree.map(functools.partial(spec, dim=dim), tree)
+                 for tree, dim in zip(trees, dims))
+
+  out_specs = specs(jax.eval_shape(fn, *args), out_batch_dims)
+  return jax.shard_map(fn, in_specs=specs(args, batch_dims), out_specs=out_specs,
+                       axis_names=set(axes))(*args)
 
 
-# Batch axes of (k, v, kv_positions_bs, logits): the cache's k and v are [L, B, K, S, H].
-_ROW_ARRAYS_BATCH_DIMS = (1, 1, 0, 0)
+# Batch axes, from the end, of (k, v, kv_positions_bs, logits): see `KVCache.map_kv`.
+_ROW_ARRAYS_BATCH_DIMS = (-4, -4, -2, -2)
 
 
 def _gather_rows(cache: KVCache, logits_bv, index_k, rows_k, slots: int):
@@ -681,12 +688,13 @@ def _gather_rows(cache: KVCache, logits_bv, index_k, rows_k, slots: int):
 
   def take_local(k, v, kv_positions_bs, logits_bv, index_k):
     take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")
-    return (take(k, 1)[..., :slots, :], take(v, 1)[..., :slots, :],
+    take_kv = lambda x: take(x, -4)[..., :slots, :]
+    return (jax.tree.map(take_kv, k), jax.tree.map(take_kv, v),
             take(kv_positions_bs, 0)[:, :slots], take(logits_bv, 0))
 
   k, v, kv_positions_bs, row_logits_kv = _on_each_shard(
       take_local, (cache.k, cache.v, cache.kv_positions_bs, logits_bv, index_k),
-      _ROW_ARRAYS_BATCH_DIMS + (0,), _ROW_ARRAYS_BATCH_DIMS)
+      _ROW_ARRAYS_BATCH_DIMS + (-1,), _ROW_ARRAYS_BATCH_DIMS)
   # Per-row lengths are whole on every device (`Sampler` places them so): taken by global id.
   length = jnp.take(cache.length, rows_k, mode="clip")
   return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs, length=length), row_logits_kv
@@ -699,15 +707,15 @@ def _scatter_rows(cache: KVCache, logits_bv, index_k, rows_k, rows: KVCache, row
 
   def put_local(k, v, kv_positions_bs, logits_bv, index_k, row_k, row_v, row_positions,
                 row_logits_kv):
-    put_slots = lambda x, new: x.at[:, index_k, :, :slots].set(new, mode="drop")
-    return (put_slots(k, row_k), put_slots(v, row_v),
+    put_slots = lambda x, new: x.at[..., index_k, :, :slots, :].set(new, mode="drop")
+    return (jax.tree.map(put_slots, k, row_k), jax.tree.map(put_slots, v, row_v),
             kv_positions_bs.at[index_k, :slots].set(row_positions, mode="drop"),
             logits_bv.at[index_k].set(row_logits_kv, mode="drop"))
 
   k, v, kv_positions_bs, logits_bv = _on_each_shard(
       put_local, (cache.k, cache.v, cache.kv_positions_bs, logits_bv, index_k, rows.k, rows.v,
                   rows.kv_positions_bs, row_logits_kv),
-      _ROW_ARRAYS_BATCH_DIMS + (0,) + _ROW_ARRAYS_BATCH_DIMS, _ROW_ARRAYS_BATCH_DIMS)
+      _ROW_ARRAYS_BATCH_DIMS + (-1,) + _ROW_ARRAYS_BATCH_DIMS, _ROW_ARRAYS_BATCH_DIMS)
   length = cache.length.at[rows_k].set(rows.length, mode="drop")
   return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs,
                  length=partitioning.constrain(length, (None,))), logits_bv

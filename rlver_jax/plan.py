@@ -148,16 +148,17 @@ class _Model:
 
 
 def sampler_row_programs(graphdef, params, config, mesh, batch, cache_len, prefill_len,
-                         dtype) -> dict:
+                         dtype, layers_as_list: bool = False) -> dict:
   """The sampler's row programs as the rollout engine runs them, from the weights `params`
-  it decodes with: a prefill of `prefill_len` tokens into every row, and one decode chunk of
-  every row. Name -> (jitted program, abstract arguments, static arguments)."""
-  cache = jax.eval_shape(lambda: qwen2.KVCache.init_rows(config, batch, cache_len, dtype))
-  kv = partitioning.named_sharding(qwen2.KV_CACHE_AXES, cache.k.shape, mesh)
+  it decodes with (`layers_as_list`: their layers are a list, and so is the cache): a
+  prefill of `prefill_len` tokens into every row, and one decode chunk of every row.
+  Name -> (jitted program, abstract arguments, static arguments)."""
+  cache = jax.eval_shape(lambda: qwen2.KVCache.init_rows(config, batch, cache_len, dtype,
+                                                         layers_as_list))
   replicated = NamedSharding(mesh, PartitionSpec())
-  cache = qwen2.KVCache(
-      k=jax.ShapeDtypeStruct(cache.k.shape, cache.k.dtype, sharding=kv),
-      v=jax.ShapeDtypeStruct(cache.v.shape, cache.v.dtype, sharding=kv),
+  cache = cache.map_kv(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=partitioning.named_sharding(qwen2.KV_CACHE_AXES[-x.ndim:], x.shape, mesh)))
+  cache = cache.replace(
       kv_positions_bs=_rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
       length=jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated))
   rows = functools.partial(_rows, mesh)
@@ -243,14 +244,16 @@ def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *
         forward.sequence_logprobs, temperature=1.0))
   if sampler:
     sampling_graphdef, sampling_params = policy.graphdef, policy.params
+    as_list = False  # the training weights scan their layers
     if sampling_dtype:  # a resident copy for decoding (Sampler(sampling_dtype=...))
+      as_list = sampler_lib.layers_as_list(sampling_layout, mesh)
       sampling_graphdef, sampling_params = policy.sampling_copy(
           mesh, jnp.dtype(sampling_dtype), sampling_layout)
       resident.append(sampling_params)
       result["sampling_copy_gib"] = _device_gib(sampling_params)
     for name, (program, args, static) in sampler_row_programs(
         sampling_graphdef, sampling_params, config, mesh, batch, cache_len, prefill_len,
-        dtype).items():
+        dtype, as_list).items():
       programs[name] = _compile(program, args, mesh, sampling_params, **static)
   result["programs"] = programs
   result["kv_cache_gib"] = kv_cache_gib(config, mesh, batch, cache_len, dtype)

@@ -383,11 +383,18 @@ def test_unscanned_layers_give_the_scanned_models_logits_and_cache(remat):
 
   ids = jnp.asarray(random_ids((2, 9), seed=4))
   np.testing.assert_allclose(loop(ids), model(ids), atol=1e-6, rtol=0)
-  caches = []
-  for m in (model, loop):
-    cache = qwen2.KVCache.init_rows(m.config, batch_size=2, max_len=16, dtype=jnp.float32)
-    logits, cache = m(ids[:, :6], cache=cache)
-    step, cache = m(ids[:, 6:7], cache=cache)
-    caches.append((np.asarray(logits), np.asarray(step), np.asarray(cache.k)))
-  for a, b in zip(*caches):
-    np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+  for init in (qwen2.KVCache.init, qwen2.KVCache.init_rows):
+    caches = []
+    # The list of layers decodes with a cache of one array per layer; the scan with a stack.
+    for m, as_list in ((model, False), (loop, True)):
+      cache = init(m.config, batch_size=2, max_len=16, dtype=jnp.float32, layers_as_list=as_list)
+      assert isinstance(cache.k, tuple) == as_list
+      logits, cache = m(ids[:, :6], cache=cache)
+      step, cache = m(ids[:, 6:7], cache=cache)
+      assert isinstance(cache.k, tuple) == as_list
+      # A list's arrays stack into the stack's layout.
+      caches.append(tuple(map(np.asarray, (logits, step, cache.k, cache.v))))
+    for a, b in zip(*caches):
+      np.testing.assert_allclose(a, b, atol=1e-6, rtol=0)
+  with pytest.raises(ValueError, match="layers_as_list.*this one scans them"):
+    model(ids, cache=qwen2.KVCache.init(model.config, 2, 16, jnp.float32, layers_as_list=True))
