@@ -13,12 +13,18 @@ local OpenAI-compatible server (tests/fake_openai.py) whose every answer
 waits a log-normal latency, median --latency_median_s, 95th percentile
 --latency_p95_s, fixed per prompt, so both engines meet the same delays.
 
-Each engine first runs the workload with no latency (compiling what it
-needs), then timed. Written for each engine: wall_s, slot_efficiency
-(tokens / decoding row-steps), cache_occupancy (tokens held / cache slots
-of the decoding batch), tokens_per_s, decode_s, sim_wait_s; and the
-continuous engine's speedup (lockstep wall / continuous wall). Both engines
-must give the same dialogues, token for token; the run fails otherwise.
+Each engine runs the workload twice, untimed then timed, as a trainer runs
+one rollout per step: the first run compiles the programs the engine needs.
+It meets the same latencies, because which programs the continuous engine
+needs depends on them (its row programs are keyed by how many rows are
+ready and how long they are). Written for each engine: wall_s,
+slot_efficiency (tokens / decoding row-steps), cache_occupancy (tokens held
+/ cache slots of the decoding batch), tokens_per_s, decode_s, sim_wait_s,
+programs_compiled (by the first run) and compile_s (XLA compile seconds
+within the timed run, where an order of events unseen before needed a new
+program); and the continuous engine's speedup (lockstep wall / continuous
+wall). Both engines must give the same dialogues, token for token; the run
+fails otherwise.
 """
 
 from __future__ import annotations
@@ -58,6 +64,9 @@ _LATENCY_P95 = flags.DEFINE_float("latency_p95_s", 4.0, "simulator call latency,
 _HIDDEN = flags.DEFINE_integer("hidden", 64, "model width")
 _LAYERS = flags.DEFINE_integer("layers", 2, "model depth")
 _CHUNK = flags.DEFINE_integer("decode_chunk_steps", 32, "continuous engine: steps per chunk")
+_SAMPLING_DTYPE = flags.DEFINE_string(
+    "sampling_dtype", "float32", "decode from a copy of the weights in this dtype, its layers a "
+    "list (as rollout.sampling_layout=decode does); empty: from the scanned weights")
 _SEED = flags.DEFINE_integer("seed", 0, "schedule and weights")
 _OUT = flags.DEFINE_string("out", "bench_results/rollout.json", "JSON results")
 
@@ -120,13 +129,28 @@ class LatencyServer(FaultyServer):
 def lognormal_latency(median_s: float, p95_s: float):
   """Seconds per prompt, log-normal, fixed by the prompt's hash."""
   sigma = math.log(p95_s / median_s) / 1.6449
-  state = {"scale": 1.0}
 
   def latency(prompt: str) -> float:
     seed = int.from_bytes(hashlib.sha256(prompt.encode()).digest()[:8], "little")
-    return state["scale"] * median_s * math.exp(sigma * random.Random(seed).gauss(0.0, 1.0))
+    return median_s * math.exp(sigma * random.Random(seed).gauss(0.0, 1.0))
 
-  return latency, state
+  return latency
+
+
+class CompileClock:
+  """Programs XLA compiled, and the seconds it took, since the last `reset`."""
+
+  def __init__(self):
+    self.reset()
+    jax.monitoring.register_event_duration_secs_listener(self._on_event)
+
+  def reset(self) -> None:
+    self.programs, self.seconds = 0, 0.0
+
+  def _on_event(self, event: str, seconds: float, **kwargs) -> None:
+    if event == "/jax/core/compile/backend_compile_duration":
+      self.programs += 1
+      self.seconds += seconds
 
 
 def bench_profiles(n: int) -> list[profiles.Profile]:
@@ -138,22 +162,25 @@ def bench_profiles(n: int) -> list[profiles.Profile]:
 
 
 def run_engine(engine: str, sampler: ScheduledSampler, formatter, server_url: str,
-               latency_state: dict, profile_list, config) -> rollout_lib.Rollout:
+               profile_list, config, clock: CompileClock) -> tuple[rollout_lib.Rollout, dict]:
+  """The engine's timed rollout, after an untimed one; and what each compiled."""
   rules = dynamics.with_max_agent_turns(dynamics.SAGE_BENCHMARK, _TURNS.value)
   prompts = templates.PromptSet.load(language="en", variant="vanilla")
   config = dataclasses.replace(config, engine=engine)
-  results = []
-  for scale in (0.0, 1.0):  # compile, then time
-    latency_state["scale"] = scale
+  compiled = {}
+  for run in ("untimed", "timed"):
     backend = OpenAIChatBackend(server_url, "fake", api_key_env="BENCH_NO_KEY",
                                 max_concurrency=len(profile_list), timeout_s=120.0)
     user = SimulatedUser(backend, rules, prompts)
     sampler.reset()
-    results.append(rollout_lib.collect(sampler, formatter, user, profile_list, config,
-                                       jax.random.key(0)))
-    logging.info("%s (latency x%g): %s", engine, scale, {
-        k: round(v, 3) for k, v in results[-1].metrics.items() if k.startswith(("rollout/", "time/"))})
-  return results[-1]
+    clock.reset()
+    rollout = rollout_lib.collect(sampler, formatter, user, profile_list, config,
+                                  jax.random.key(0))
+    compiled[run] = {"programs": clock.programs, "seconds": clock.seconds}
+    logging.info("%s (%s): %s, compiled %s", engine, run, {
+        k: round(v, 3) for k, v in rollout.metrics.items() if k.startswith(("rollout/", "time/"))},
+        compiled[run])
+  return rollout, compiled
 
 
 def main(argv):
@@ -166,20 +193,23 @@ def main(argv):
                           num_layers=_LAYERS.value, intermediate_size=2 * _HIDDEN.value)
     policy = policy_lib.load_policy(checkpoint)
   sampler = ScheduledSampler(policy.model, schedule, stop_token_ids=policy.sampler.stop_token_ids,
-                             pad_id=policy.sampler.pad_id, decode_chunk_steps=_CHUNK.value)
-  latency, latency_state = lognormal_latency(_LATENCY_MEDIAN.value, _LATENCY_P95.value)
-  server = LatencyServer([], latency_s=latency)
+                             pad_id=policy.sampler.pad_id, decode_chunk_steps=_CHUNK.value,
+                             sampling_dtype=_SAMPLING_DTYPE.value or None)
+  server = LatencyServer([], latency_s=lognormal_latency(_LATENCY_MEDIAN.value,
+                                                         _LATENCY_P95.value))
   threading.Thread(target=server.serve_forever, daemon=True).start()
   config = rollout_lib.RolloutConfig(max_new_tokens=_MAX_NEW_TOKENS.value, temperature=0.0,
                                      max_dialogue_tokens=10 ** 9)
   profile_list = bench_profiles(_DIALOGUES.value)
+  clock = CompileClock()
   try:
-    rollouts = {engine: run_engine(engine, sampler, policy.formatter, server.url, latency_state,
-                                   profile_list, config)
-                for engine in ("lockstep", "continuous")}
+    runs = {engine: run_engine(engine, sampler, policy.formatter, server.url, profile_list,
+                               config, clock)
+            for engine in ("lockstep", "continuous")}
   finally:
     server.stopping.set()
     server.shutdown()
+  rollouts = {engine: rollout for engine, (rollout, _) in runs.items()}
   lockstep, continuous = rollouts["lockstep"], rollouts["continuous"]
   same = [s.tokens for s in lockstep.samples] == [s.tokens for s in continuous.samples]
   if not same:
@@ -191,13 +221,16 @@ def main(argv):
       "reply_tokens_median": float(np.median(lengths)), "reply_tokens_mean": float(np.mean(lengths)),
       "latency_median_s": _LATENCY_MEDIAN.value, "latency_p95_s": _LATENCY_P95.value,
       "model": {"hidden": _HIDDEN.value, "layers": _LAYERS.value},
-      "decode_chunk_steps": _CHUNK.value, "same_dialogues": same}}
-  for engine, rollout in rollouts.items():
+      "decode_chunk_steps": _CHUNK.value, "sampling_dtype": _SAMPLING_DTYPE.value,
+      "same_dialogues": same}}
+  for engine, (rollout, compiled) in runs.items():
     m = rollout.metrics
     results[engine] = {"wall_s": m["time/rollout"], "slot_efficiency": m["rollout/slot_efficiency"],
                        "cache_occupancy": m["rollout/cache_occupancy"],
                        "tokens_per_s": m["rollout/tokens_per_s"], "decode_s": m["rollout/decode_s"],
-                       "sim_wait_s": m["rollout/sim_wait_s"]}
+                       "sim_wait_s": m["rollout/sim_wait_s"],
+                       "programs_compiled": compiled["untimed"]["programs"],
+                       "compile_s": compiled["timed"]["seconds"]}
   results["continuous"]["speedup"] = lockstep.metrics["time/rollout"] / continuous.metrics[
       "time/rollout"]
   os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
