@@ -156,8 +156,9 @@ def sampler_row_programs(graphdef, params, config, mesh, batch, cache_len, prefi
   cache = jax.eval_shape(lambda: qwen2.KVCache.init_rows(config, batch, cache_len, dtype,
                                                          layers_as_list))
   replicated = NamedSharding(mesh, PartitionSpec())
-  cache = cache.map_kv(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=partitioning.named_sharding(qwen2.KV_CACHE_AXES[-x.ndim:], x.shape, mesh)))
+  kv_sharding = lambda x: partitioning.named_sharding(qwen2.KV_CACHE_AXES[-x.ndim:], x.shape,
+                                                      mesh)
+  cache = cache.map_kv(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv_sharding(x)))
   cache = cache.replace(
       kv_positions_bs=_rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
       length=jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated))

@@ -241,7 +241,7 @@ def test_a_list_of_layers_decodes_from_each_layers_own_cache_array(checkpoint, p
   """With its layers a list (the sampler's decoding copy), a model keeps one cache array per
   layer and attends over it where it lies. Read out of a stacked cache, even by a static
   index, one layer's keys and values were copied every layer and token (on the CPU backend:
-  8 MB a step at 8 rows, 4096 slots, 2 layers of the benchmark's model)."""
+  8 MB per layer and step at 8 rows and 4096 slots of the rollout benchmark's model)."""
   model = qwen2.unscanned(checkpoint[2])
   temp_bytes = {}
   for as_list in (False, True):
