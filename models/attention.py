@@ -72,7 +72,7 @@ def resolve(implementation: str, num_queries: int, num_keys: int, *, cached: boo
     return implementation
   if num_queries * num_keys <= EINSUM_MAX_SCORES:
     return "einsum"
-  backend = jax.default_backend()
+  backend = partitioning.target_platform()
   if backend == "tpu" and not cached and num_queries == num_keys:
     return "splash"
   if backend == "gpu":

@@ -225,6 +225,14 @@ def mesh_context(mesh: Mesh | None):
   return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
+def target_platform() -> str:
+  """The platform the code being traced will run on: that of the mesh set by `mesh_context`
+  (a TPU slice's devices when compiling ahead of time on a CPU host), else the default
+  backend's."""
+  device = jax.sharding.get_abstract_mesh().abstract_device
+  return jax.default_backend() if device is None else device.platform
+
+
 def constrain(x, logical_axes):
   """Pins an activation's sharding by logical axes when traced under `mesh_context`.
 
@@ -256,6 +264,38 @@ def resolve_mesh_shape(axes: Mapping[str, int], num_devices: int) -> dict[str, i
     raise ValueError(f"mesh {sizes} needs {math.prod(sizes.values())} devices, "
                      f"{num_devices} are available")
   return sizes
+
+
+def parse_mesh(spec: str) -> dict[str, int] | None:
+  """A mesh from the command line: `data=1,fsdp=-1,tensor=2`; None for an empty spec."""
+  if not spec:
+    return None
+  axes = {}
+  for part in spec.split(","):
+    name, _, size = part.partition("=")
+    if not name or not size.lstrip("-").isdigit():
+      raise ValueError(f"--mesh: cannot read {part!r}; expected name=size, e.g. fsdp=-1")
+    axes[name.strip()] = int(size)
+  return axes
+
+
+def per_host_axes(axes: Mapping[str, int], hosts: int) -> dict[str, int]:
+  """The axes of one host's own mesh for a run whose mesh `axes` span `hosts` hosts: a -1
+  axis takes the host's remaining devices; else the batch axes (data first, then fsdp) give
+  up the factor `hosts`, as each host samples its own share of the batch."""
+  axes = dict(axes)
+  if hosts == 1 or -1 in axes.values():
+    return axes
+  left = hosts
+  for name in SHARDING_RULES["batch"]:
+    factor = math.gcd(axes.get(name, 1), left)
+    if factor > 1:
+      axes[name] //= factor
+      left //= factor
+  if left != 1:
+    raise ValueError(f"mesh {axes}: its batch axes (data x fsdp) do not split over {hosts} "
+                     "hosts; give one axis as -1")
+  return axes
 
 
 def make_mesh(axes: Mapping[str, int] | None = None, devices=None) -> Mesh:

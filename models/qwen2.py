@@ -443,7 +443,7 @@ def _checkpointed(fn, policy: str):
     return jax.checkpoint(fn)
   if policy == "save_dots":
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-  if jax.default_backend() == "cpu":
+  if partitioning.target_platform() == "cpu":
     raise UserInputError("remat policy 'offload' (policy.remat_policy) needs host offload, which "
                          "the CPU backend lacks; use save_dots or full")
   return jax.checkpoint(fn, policy=jax.checkpoint_policies.offload_dot_with_no_batch_dims(

@@ -49,10 +49,12 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from models import partitioning, qwen2
+from models import partitioning, programs, qwen2
 from models.qwen2 import KV_CACHE_AXES, KVCache, Qwen2
 
 DECODE_CHUNK_STEPS = 32  # steps of one `decode_rows` call, by default
+MIN_CHUNK_BUCKET = 16  # the fewest tokens a prefill chunk is padded to
+MIN_CACHE_BUCKET = 256  # the fewest cache slots a cache holds or a row call attends over
 STOP = "stop"
 LENGTH = "length"
 
@@ -287,6 +289,36 @@ def decoding_copy(graphdef, state, dtype, as_list: bool):
   return graphdefs[0], abstract_copy, copy
 
 
+class WeightCopy:
+  """The sampler's resident copy of the policy's weights in `dtype` and `layout`
+  (`partitioning.SAMPLING_LAYOUTS`): its graphdef, abstract placed state and jitted programs.
+
+  `make(state)` builds the copy; `refresh(old_copy, state)` rewrites it in place from new
+  training weights (the old copy is donated, and kept though unread: jit drops unused
+  arguments, and their donation with them), once per training step.
+  """
+
+  def __init__(self, graphdef, state, dtype, layout: str, mesh: Mesh | None):
+    if layout not in partitioning.SAMPLING_LAYOUTS:
+      raise ValueError(f"sampling_layout={layout!r}: expected one of "
+                       f"{tuple(partitioning.SAMPLING_LAYOUTS)}")
+    self.as_list = layers_as_list(layout, mesh)
+    self.graphdef, abstract_copy, copy = decoding_copy(graphdef, state, dtype, self.as_list)
+    shardings = (None if mesh is None else partitioning.state_shardings(
+        abstract_copy, mesh, partitioning.SAMPLING_LAYOUTS[layout]))
+    self.abstract = abstract_copy if mesh is None else programs.abstract(abstract_copy,
+                                                                          shardings)
+    self.make = jax.jit(copy, out_shardings=shardings)
+    self.refresh = jax.jit(lambda old, new: copy(new), donate_argnums=(0,), keep_unused=True,
+                           out_shardings=shardings)
+
+  def refresh_program(self, mesh: Mesh, abstract_state) -> programs.Program:
+    """The refresh from training weights `abstract_state`, as the planner compiles it."""
+    return programs.Program(self.refresh, (self.abstract, abstract_state), mesh,
+                            resident=(self.abstract, abstract_state),
+                            work={"kind": "copy_weights"})
+
+
 class Sampler:
   """Generation engine for one Qwen2 policy.
 
@@ -297,7 +329,8 @@ class Sampler:
 
   def __init__(self, model: Qwen2, *, stop_token_ids: Sequence[int], pad_id: int = 0,
                mesh: Mesh | None = None, cache_dtype=None,
-               min_chunk_bucket: int = 16, min_cache_bucket: int = 256,
+               min_chunk_bucket: int = MIN_CHUNK_BUCKET,
+               min_cache_bucket: int = MIN_CACHE_BUCKET,
                decode_chunk_steps: int = DECODE_CHUNK_STEPS, sampling_dtype=None,
                sampling_layout: str = "decode"):
     """`sampling_dtype` (opt-in, e.g. bfloat16): decode from a copy of the weights in
@@ -305,9 +338,6 @@ class Sampler:
     rules of `partitioning.SAMPLING_LAYOUTS[sampling_layout]` ("decode": split over tensor
     only, so no FSDP all-gather per token; "train": sharded like the training weights);
     `update_weights` refreshes it in place."""
-    if sampling_layout not in partitioning.SAMPLING_LAYOUTS:
-      raise ValueError(f"sampling_layout={sampling_layout!r}: expected one of "
-                       f"{tuple(partitioning.SAMPLING_LAYOUTS)}")
     self.config = model.config
     self.graphdef, state = nnx.split(model)
     self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
@@ -319,20 +349,14 @@ class Sampler:
     self.decode_chunk_steps = decode_chunk_steps
     self.sampling_dtype = None if sampling_dtype is None else jnp.dtype(sampling_dtype)
     self.stats = DecodeStats()
-    self._cast = None
+    self._refresh = None
     # The cache follows the layers it is decoded with: one array per layer for a list.
     self.cache_layers_as_list = isinstance(model.backbone.layers, nnx.List)
     if self.sampling_dtype is not None:
-      self.cache_layers_as_list = layers_as_list(sampling_layout, mesh)
-      self.graphdef, abstract_copy, copy = decoding_copy(
-          self.graphdef, state, self.sampling_dtype, self.cache_layers_as_list)
-      shardings = (None if mesh is None else partitioning.state_shardings(
-          abstract_copy, mesh, partitioning.SAMPLING_LAYOUTS[sampling_layout]))
-      # The old copy is donated (and kept, though unread: jit drops unused arguments, and
-      # their donation with them): a refresh writes into its buffers.
-      self._cast = jax.jit(lambda old, new: copy(new), donate_argnums=(0,), keep_unused=True,
-                           out_shardings=shardings)
-      self.state = jax.jit(copy, out_shardings=shardings)(state)
+      copy = WeightCopy(self.graphdef, state, self.sampling_dtype, sampling_layout, mesh)
+      self.cache_layers_as_list = copy.as_list
+      self.graphdef, self._refresh = copy.graphdef, copy.refresh
+      self.state = copy.make(state)
     else:
       self.state = partitioning.place_state(state, mesh)
     self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=(1,))
@@ -345,7 +369,7 @@ class Sampler:
   def update_weights(self, model_or_state) -> None:
     """Uses new weights (a model or its state) without recompiling."""
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
-    self.state = state if self._cast is None else self._cast(self.state, state)
+    self.state = state if self._refresh is None else self._refresh(self.state, state)
 
   # Placement.
 
@@ -646,6 +670,85 @@ def row_programs(graphdef, stop_token_ids: Sequence[int], pad_id: int):
                    donate_argnums=(1, 2), static_argnames=("steps", "slots", "greedy", "top_k",
                                                            "use_top_p"))
   return prefill, decode
+
+
+@dataclasses.dataclass(frozen=True)
+class RowCall:
+  """The shapes one row-program compile is keyed by: `width` rows over a cache of
+  `capacity` slots per row, attending over the first `slots`; a prefill writes `chunk`
+  tokens per row (0 for a decode chunk)."""
+  kind: str  # "prefill_rows" or "decode_rows"
+  width: int
+  capacity: int
+  slots: int
+  chunk: int = 0
+
+  @property
+  def name(self) -> str:
+    chunk = f",t={self.chunk}" if self.chunk else ""
+    return f"sampler/{self.kind}[w={self.width}{chunk},s={self.slots},c={self.capacity}]"
+
+
+def _powers_of_two(low: int, high: int) -> list[int]:
+  return [1 << n for n in range(low.bit_length() - 1, high.bit_length()) if low <= 1 << n <= high]
+
+
+def row_calls(num_rows: int, max_tokens: int, longest_feed: int, shards: int,
+              min_chunk_bucket: int = MIN_CHUNK_BUCKET,
+              min_cache_bucket: int = MIN_CACHE_BUCKET) -> list[RowCall]:
+  """Every row-program shape a `RowBatch` of `num_rows` rows (`start_rows`), whose rows
+  hold at most `max_tokens` tokens and are fed at most `longest_feed` tokens at once, can
+  compile on `shards` data shards: prefill widths (`_batch_bucket`), decode widths
+  (`row_bucket`), chunk lengths, attended slots, and the capacities the cache grows through.
+  Which of them a rollout meets depends on the order of its events; the set is what it may.
+  """
+  batch = math.lcm(num_rows, shards)
+  capacities = _powers_of_two(min_cache_bucket, bucket_size(max_tokens, min_cache_bucket))
+  prefill_widths = sorted({math.lcm(bucket_size(n), shards) for n in range(1, batch + 1)})
+  decode_widths = row_bucket_sizes(batch, shards)
+  chunks = _powers_of_two(min_chunk_bucket,
+                          bucket_size(min(longest_feed, max_tokens), min_chunk_bucket))
+  calls = []
+  for capacity in capacities:
+    for slots in _powers_of_two(min_cache_bucket, capacity):
+      calls += [RowCall("decode_rows", width, capacity, slots) for width in decode_widths]
+      calls += [RowCall("prefill_rows", width, capacity, slots, chunk)
+                for width in prefill_widths for chunk in chunks if chunk <= slots]
+  return calls
+
+
+def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: RowCall,
+                rows: int, cache_dtype, layers_as_list: bool, sampling: SamplingParams,
+                stop_token_ids: Sequence[int] = (0,), pad_id: int = 0,
+                steps: int = DECODE_CHUNK_STEPS) -> programs.Program:
+  """`call` of the row programs (`row_programs`) that decode from `params` (abstract,
+  placed on `mesh`) for a `RowBatch` of `rows` rows, as the planner compiles it."""
+  cache = jax.eval_shape(lambda: KVCache.init_rows(config, rows, call.capacity, cache_dtype,
+                                                   layers_as_list))
+  kv_sharding = lambda x: partitioning.named_sharding(KV_CACHE_AXES[-x.ndim:], x.shape, mesh)
+  cache = cache.map_kv(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv_sharding(x)))
+  cache = cache.replace(kv_positions_bs=programs.rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
+                        length=programs.replicated(mesh, (rows,), jnp.int32))
+  on_rows = lambda shape, dtype: programs.rows(mesh, shape, dtype)
+  logits_bv = on_rows((rows, config.vocab_size), jnp.float32)
+  width = call.width
+  index_k, rows_k = on_rows((width,), jnp.int32), on_rows((width,), jnp.int32)
+  prefill, decode = row_programs(graphdef, stop_token_ids, pad_id)
+  work = {"kind": call.kind, "rows": width, "slots": call.slots, "capacity": call.capacity}
+  if call.kind == "prefill_rows":
+    args = (params, cache, logits_bv, index_k, rows_k, on_rows((width, call.chunk), jnp.int32),
+            on_rows((width, call.chunk), jnp.bool_), on_rows((width,), jnp.bool_))
+    return programs.Program(prefill, args, mesh, {"slots": call.slots}, resident=params,
+                            work={**work, "tokens": call.chunk})
+  scalar = lambda dtype: programs.replicated(mesh, (), dtype)
+  key_k = on_rows((width,), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+  per_row = lambda: on_rows((width,), jnp.int32)  # budgets, row ids, offsets
+  args = (params, cache, logits_bv, index_k, rows_k, per_row(), key_k, per_row(), per_row(),
+          scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32))
+  static = {"steps": steps, "slots": call.slots, "greedy": sampling.temperature == 0,
+            "top_k": sampling.top_k, "use_top_p": sampling.top_p < 1.0}
+  return programs.Program(decode, args, mesh, static, resident=params,
+                          work={**work, "tokens": steps})
 
 
 def _batch_mesh_axes() -> tuple[str, ...]:

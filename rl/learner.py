@@ -1,14 +1,13 @@
 """One model's training state and its jitted passes: the Learner, its optimizer and schedule.
 
 Models are split into a graphdef and a parameter state; the jitted updates
-(`rl.updates`) are pure functions of (params, optimizer state, batch) with the
-old state donated.
+(`rl.step.UpdatePrograms` over `rl.updates`) are pure functions of (params,
+optimizer state, batch) with the old state donated.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Sequence
 
 import jax
@@ -17,8 +16,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import partitioning
-from rl import losses, updates
+from models import partitioning, programs
+from rl import losses, step
 from rl.batch import TrainBatch
 from rl.losses import LossConfig
 
@@ -84,21 +83,32 @@ class Learner:
     goes before the grad_norm and finite metrics (the critic's are
     critic_grad_norm, critic_finite).
     """
-    self.graphdef, params = nnx.split(model)
+    graphdef, params = nnx.split(model)
+    params = partitioning.place_state(params, mesh)
+    opt_state = None if tx is None else jax.jit(
+        tx.init, out_shardings=partitioning.optimizer_state_shardings(tx, params, mesh))(params)
+    self._hold(graphdef, params, opt_state, tx, loss_fn, cfg, mesh, metric_prefix)
+
+  @classmethod
+  def abstract(cls, model: nnx.Module, tx: optax.GradientTransformation | None = None,
+               loss_fn=None, cfg: LossConfig | None = None, mesh=None,
+               metric_prefix: str = "") -> "Learner":
+    """A Learner of an abstract model (`nnx.eval_shape`) on `mesh`, whose params and
+    optimizer state are abstract arrays placed as a real one's: its programs compile
+    (`rl.step`) with no memory behind them (the planner)."""
+    graphdef, state = nnx.split(model)
+    params = programs.abstract(state, partitioning.state_shardings(state, mesh))
+    opt_state = None if tx is None else programs.abstract(
+        jax.eval_shape(tx.init, params), partitioning.optimizer_state_shardings(tx, params, mesh))
+    learner = cls.__new__(cls)
+    learner._hold(graphdef, params, opt_state, tx, loss_fn, cfg, mesh, metric_prefix)
+    return learner
+
+  def _hold(self, graphdef, params, opt_state, tx, loss_fn, cfg, mesh, metric_prefix):
+    self.graphdef, self.params, self.opt_state = graphdef, params, opt_state
     self.mesh = mesh
     self.metric_prefix = metric_prefix
-    self.params = partitioning.place_state(params, mesh)
-    self.opt_state = None if tx is None else jax.jit(
-        tx.init, out_shardings=partitioning.optimizer_state_shardings(tx, self.params, mesh))(
-            self.params)
-    if tx is not None:
-      self._update = jax.jit(functools.partial(updates.update, loss_fn, self.graphdef, tx, cfg),
-                             donate_argnums=(0, 1))
-      self._gradients = jax.jit(functools.partial(updates.gradients, loss_fn, self.graphdef,
-                                                  cfg))
-      self._accumulate = jax.jit(updates.add_gradients, donate_argnums=(0,))
-      self._apply_gradients = jax.jit(functools.partial(updates.apply_gradients, tx),
-                                      donate_argnums=(0, 1))
+    self.programs = None if tx is None else step.UpdatePrograms(loss_fn, graphdef, tx, cfg)
     self._forward = {}
 
   def update(self, micro_batches: Sequence[TrainBatch],
@@ -113,15 +123,16 @@ class Learner:
     norm = losses.normaliser(np.concatenate([m.loss_mask_bt for m in micro_batches]))
     with partitioning.mesh_context(self.mesh):
       if len(micro_batches) == 1:
-        self.params, self.opt_state, metrics = self._update(
+        self.params, self.opt_state, metrics = self.programs.update(
             self.params, self.opt_state, partitioning.place_batch(micro_batches[0], self.mesh),
             norm, learning_rate)
         return self._named(metrics)
       grads, parts = None, []
       for micro in micro_batches:
-        (loss, metrics), micro_grads = self._gradients(
+        (loss, metrics), micro_grads = self.programs.gradients(
             self.params, partitioning.place_batch(micro, self.mesh), norm)
-        grads = micro_grads if grads is None else self._accumulate(grads, micro_grads)
+        grads = (micro_grads if grads is None else
+                 self.programs.accumulate_gradients(grads, micro_grads))
         if jax.default_backend() == "cpu":
           # XLA:CPU runs each fake device's share of a collective on a shared thread pool;
           # with several sharded programs in flight on few cores they can deadlock (seen in
@@ -129,7 +140,7 @@ class Learner:
           jax.block_until_ready(grads)
         parts.append({**metrics, "loss": loss})
       metrics = jax.tree.map(lambda *values: sum(values), *parts)
-      self.params, self.opt_state, grad_norm, finite = self._apply_gradients(
+      self.params, self.opt_state, grad_norm, finite = self.programs.apply_gradients(
           self.params, self.opt_state, grads, metrics.pop("loss"), learning_rate)
     return self._named({**metrics, "grad_norm": grad_norm, "finite": finite.astype(jnp.float32)})
 
@@ -138,13 +149,17 @@ class Learner:
       metrics[self.metric_prefix + key] = metrics.pop(key)
     return metrics
 
-  def apply(self, fn, batch: TrainBatch, **static):
-    """Jitted `fn(graphdef, params, batch, **static)` without gradients."""
+  def forward(self, fn, **static):
+    """Jitted `fn(graphdef, params, batch, **static)` without gradients (`rl.step`)."""
     key = (fn, tuple(sorted(static.items())))
     if key not in self._forward:
-      self._forward[key] = jax.jit(functools.partial(fn, self.graphdef, **static))
+      self._forward[key] = step.forward_program(fn, self.graphdef, **static)
+    return self._forward[key]
+
+  def apply(self, fn, batch: TrainBatch, **static):
+    """`forward(fn, **static)` on this learner's params and `batch`."""
     with partitioning.mesh_context(self.mesh):
-      return self._forward[key](self.params, partitioning.place_batch(batch, self.mesh))
+      return self.forward(fn, **static)(self.params, partitioning.place_batch(batch, self.mesh))
 
   def apply_in_micro_batches(self, fn, batch: TrainBatch, rows: int, **static) -> np.ndarray:
     """`apply` over slices of `rows` rows (the update's micro-batch), concatenated on the host.

@@ -22,6 +22,7 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
+from models import partitioning
 from models.chat import ChatFormatter
 from models.errors import UserInputError
 from models.sampler import SamplingParams
@@ -56,18 +57,6 @@ def parse_args(argv=None) -> argparse.Namespace:
   if not args.chat and not (args.prompts and args.output):
     p.error("give --prompts and --output, or --chat")
   return args
-
-
-def parse_mesh(spec: str) -> dict[str, int] | None:
-  if not spec:
-    return None
-  axes = {}
-  for part in spec.split(","):
-    name, _, size = part.partition("=")
-    if not name or not size.lstrip("-").isdigit():
-      raise ValueError(f"--mesh: cannot read {part!r}; expected name=size, e.g. fsdp=-1")
-    axes[name.strip()] = int(size)
-  return axes
 
 
 def read_requests(path: str, formatter: ChatFormatter, vocab_size: int) -> list[list[int]]:
@@ -130,7 +119,7 @@ def _request_ids(line: str, formatter: ChatFormatter, vocab_size: int) -> list[i
 
 def load(args) -> policy_lib.Policy:
   stops = [name.strip() for name in args.stop.split(",") if name.strip()]
-  return builder.generation_policy(args.checkpoint, args.dtype, parse_mesh(args.mesh), stops,
+  return builder.generation_policy(args.checkpoint, args.dtype, partitioning.parse_mesh(args.mesh), stops,
                                    require_chat_template=args.chat)
 
 

@@ -223,7 +223,8 @@ def block(num_items: int, index: int, count: int) -> range:
 
 def local_mesh(mesh_axes) -> Mesh:
   """`mesh_axes` resolved over this host's devices (all devices with one process)."""
-  return partitioning.make_mesh(mesh_axes, jax.local_devices())
+  return partitioning.make_mesh(partitioning.per_host_axes(mesh_axes, jax.process_count()),
+                                jax.local_devices())
 
 
 def share_of(num_items: int) -> range:
@@ -276,7 +277,8 @@ class Hosts:
     if self.count == 1:
       self.local_mesh = train_mesh
       return
-    per_host = [partitioning.make_mesh(mesh_axes, [d for d in jax.devices() if d.process_index == p])
+    host_axes = partitioning.per_host_axes(mesh_axes, self.count)
+    per_host = [partitioning.make_mesh(host_axes, [d for d in jax.devices() if d.process_index == p])
                 for p in range(self.count)]
     self.local_mesh = per_host[self.index]
     # All devices, one slice per host laid out as that host's local mesh: a sharding

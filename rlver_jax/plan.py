@@ -1,21 +1,33 @@
-"""Will it fit? Compile every program of a PPO step for a model size and mesh, with no weights.
+"""Will it fit, and how fast might it run? Compile every program of a PPO/GRPO step, no weights.
 
-  python -m rlver_jax.plan --model=qwen2.5-7b --mesh=data=1,fsdp=8,tensor=1 \
-      --batch=8 --seq_len=16384 --device_memory_gib=80 [--fake_devices=8]
+  python -m rlver_jax.plan --topology=v5p-16 --model=qwen2.5-7b \
+      --mesh=data=1,fsdp=8,tensor=1 --batch=8 --seq_len=16384 --out=plan.json
+  python -m rlver_jax.plan --config=configs/ppo.py --topology=v5p-16 [--config.x=y ...]
+  python -m rlver_jax.plan --model=qwen2.5-0.5b --fake_devices=8      # CPU devices
 
-Each program is lowered with abstract arrays (`jax.ShapeDtypeStruct` carrying
-their shardings), compiled by XLA for the devices at hand, and its memory
-analysis gives bytes per device. The programs: the policy and critic
-updates, the critic's value pass and the reference log-prob pass (run before
-the updates in micro-batches of the update's size), and the sampler's row
-prefill and decode chunk over a KV cache of `cache_len` slots. What stays
-resident (policy and critic weights and optimizer states, the sampler's copy
-of the weights in `--sampling_dtype`) is counted once; the peak is
-resident plus the largest of what any one program adds on top (its other
-arguments such as the batch or the KV cache, temporaries and new outputs).
-Compile seconds are reported per program. `--fake_devices=N` plans for N
-devices on the host CPU (it must come before JAX starts, so this module
-reads it first).
+Devices: `--topology=ACCELERATOR_TYPE` (v4-8, v5litepod-16, v5p-16, v6e-8, ...)
+compiles for a Cloud TPU slice with no TPU present (libtpu's compiler,
+deviceless: `pip install -e .[tpu]`), every host of it; `--fake_devices=N`
+plans for N CPU devices; neither plans for the devices at hand.
+
+Programs: the learner programs of `rl/step.py` (value and reference passes,
+updates; with gradient accumulation its `gradients`, `accumulate_gradients`
+and `apply_gradients`), the sampler's weight refresh (`WeightCopy`) and the
+rollout engine's row programs (`Sampler.prefill_rows` / `decode_rows`), on
+host 0's devices as the sampler runs on each host's own. The row programs
+are keyed by width, chunk, attended slots and cache capacity
+(`sampler.row_calls` lists every key a step can meet); `--row_programs=all`
+compiles each, the default `bounding` only the largest of each kind (the
+others need less memory) and counts the rest.
+
+Each program is lowered with abstract arrays carrying their shardings and
+compiled; its memory analysis gives bytes per device. What stays resident
+(policy and critic weights and optimizer states, the reference copy, the
+sampler's copy) is counted once; the peak is resident plus the most any one
+program adds on top. Each program's kernels are the custom-call targets in
+its compiled HLO (splash attention shows as a Mosaic `tpu_custom_call`).
+Time estimates come from `rlver_jax/costs.py`: an analytic roofline, not a
+measurement.
 """
 
 from __future__ import annotations
@@ -39,72 +51,93 @@ if __name__ == "__main__" and _fake_devices_from_argv(sys.argv):
                              f"device_count={_fake_devices_from_argv(sys.argv)}").strip()
 
 import dataclasses  # noqa: E402
-import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import re  # noqa: E402
 import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import optax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec  # noqa: E402
 
-from models import partitioning, qwen2  # noqa: E402
+from models import partitioning, programs, qwen2, topology  # noqa: E402
 from models import sampler as sampler_lib  # noqa: E402
 from models.errors import UserInputError  # noqa: E402
-from rl import forward, learner, updates  # noqa: E402
-from rl.batch import TrainBatch  # noqa: E402
+from models.programs import Program  # noqa: E402
+from rl import learner, step, updates  # noqa: E402
 from rl.losses import LossConfig  # noqa: E402
-from rlver_jax.generate import parse_mesh  # noqa: E402
+from rlver_jax import costs  # noqa: E402
 
-GIB = 2 ** 30
-
-
-def _abstract(state, shardings):
-  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                      state, shardings)
+GIB = programs.GIB
+ROW_PROGRAM_CHOICES = ("bounding", "all")
 
 
-def _opt_shardings(tx, abstract_opt, param_shardings, mesh):
-  replicated = NamedSharding(mesh, PartitionSpec())
-  return optax.tree_map_params(tx, lambda _, s: s, abstract_opt, param_shardings,
-                               transform_non_params=lambda _: replicated,
-                               is_leaf=lambda x: isinstance(x, nnx.Variable))
+@dataclasses.dataclass(frozen=True)
+class PlanSpec:
+  """What one step runs, from flags or a recipe (`spec_from_config`).
+
+  `dialogues` is the step's dialogue count over all hosts (the rollout rows);
+  `cache_len` the slots a dialogue's cache row grows to; `prefill_len` the most
+  tokens fed to a row at once; `dialogue_tokens` the policy's tokens per
+  dialogue assumed by the time estimate.
+  """
+  model: qwen2.Qwen2Config
+  model_name: str
+  mesh_axes: dict
+  micro_batch: int
+  seq_len: int
+  grad_accum: int = 1
+  minibatches: int = 1
+  critic: bool = True
+  reference: bool = False
+  dtype: str = "bfloat16"
+  param_dtype: str = "float32"
+  remat: str = "full"
+  attention: str = "auto"
+  sampler: bool = True
+  sampling_dtype: str = "bfloat16"
+  sampling_layout: str = "train"
+  dialogues: int = 0  # 0: micro_batch x grad_accum
+  cache_len: int = 0  # 0: seq_len
+  prefill_len: int = 0  # 0: cache_len // 2
+  dialogue_tokens: int = 0  # 0: cache_len // 2
+  sampling: sampler_lib.SamplingParams = sampler_lib.SamplingParams()
+  temperature: float = 1.0
+  row_programs: str = "bounding"
+
+  def __post_init__(self):
+    if self.row_programs not in ROW_PROGRAM_CHOICES:
+      raise UserInputError(f"--row_programs={self.row_programs}: expected one of "
+                           f"{', '.join(ROW_PROGRAM_CHOICES)}")
+    cache_len = self.cache_len or self.seq_len
+    object.__setattr__(self, "cache_len", cache_len)
+    object.__setattr__(self, "prefill_len", self.prefill_len or cache_len // 2)
+    object.__setattr__(self, "dialogue_tokens", self.dialogue_tokens or cache_len // 2)
+    object.__setattr__(self, "dialogues", self.dialogues or self.micro_batch * self.grad_accum)
+    object.__setattr__(self, "remat", qwen2.remat_policy_name(self.remat))
 
 
-def _rows(mesh, shape, dtype):
-  """An abstract array sharded over its leading (batch) axis."""
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=partitioning.batch_sharding(shape, mesh))
+def kernels_of(hlo_text: str) -> list[str]:
+  """The custom-call targets of a compiled program's HLO; a Mosaic kernel
+  (`tpu_custom_call`) with the instruction's name, which is the kernel's
+  (`tpu_custom_call:splash_mha_fwd_segmented_no_residuals`)."""
+  found = set()
+  for line in hlo_text.splitlines():
+    target = re.search(r'custom_call_target="([^"]+)"', line)
+    if not target:
+      continue
+    name = re.match(r"\s*(?:ROOT\s+)?%?([A-Za-z_][\w\-]*?)(?:\.\d+)*\s*=", line)
+    found.add(f"{target.group(1)}:{name.group(1)}" if target.group(1) == "tpu_custom_call" and
+              name else target.group(1))
+  return sorted(found)
 
 
-def _batch(mesh, batch: int, seq_len: int, *, targets: bool, with_values: bool) -> TrainBatch:
-  """An abstract sharded TrainBatch: the model inputs, with `targets` what an update reads."""
-  spec = functools.partial(_rows, mesh)
-  out = TrainBatch(tokens_bt=spec((batch, seq_len), jnp.int32),
-                   attention_mask_bt=spec((batch, seq_len), jnp.bool_))
-  if targets:
-    target = lambda: spec((batch, seq_len - 1), jnp.float32)
-    out = out.replace(loss_mask_bt=target(), old_logprobs_bt=target(), advantages_bt=target())
-    if with_values:
-      out = out.replace(returns_bt=target(), old_values_bt=target())
-  return out
-
-
-def _device_gib(tree) -> float:
-  """Per-device GiB of a pytree of sharded abstract arrays."""
-  total = 0
-  for x in jax.tree.leaves(tree):
-    total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
-  return total / GIB
-
-
-def _compile(fn, args, mesh, resident, **static) -> dict:
-  """Compiles `fn(*args, **static)`; `resident` are the arguments that stay in memory
-  between steps."""
-  with partitioning.mesh_context(mesh):
-    lowered = fn.lower(*args, **static)
+def compile_program(program: Program) -> dict:
+  """Compiles `program`; its memory (GiB per device), compile seconds, kernels and XLA's own
+  FLOP count (loop bodies counted once)."""
+  with partitioning.mesh_context(program.mesh):
+    lowered = program.fn.lower(*program.args, **program.static)
     start = time.perf_counter()
     compiled = lowered.compile()
     seconds = time.perf_counter() - start
@@ -113,180 +146,291 @@ def _compile(fn, args, mesh, resident, **static) -> dict:
   temp_gib = stats.temp_size_in_bytes / GIB
   # Donated inputs alias outputs: new memory = temporaries + outputs not aliased to inputs.
   new_outputs_gib = (stats.output_size_in_bytes - stats.alias_size_in_bytes) / GIB
-  resident_gib = _device_gib(resident)
+  analysis = compiled.cost_analysis() or {}
+  if isinstance(analysis, list):
+    analysis = analysis[0] if analysis else {}
   return {"compile_s": seconds, "argument_gib": argument_gib, "temp_gib": temp_gib,
           "output_gib": stats.output_size_in_bytes / GIB,
           "peak_gib": argument_gib + temp_gib + new_outputs_gib,
           # What this program needs beyond the resident weights and optimizer states.
-          "extra_gib": argument_gib - resident_gib + temp_gib + new_outputs_gib}
+          "extra_gib": argument_gib - programs.device_gib(program.resident) + temp_gib +
+                       new_outputs_gib,
+          "kernels": kernels_of(compiled.as_text()),
+          "xla_flops_loop_bodies_once": float(analysis.get("flops", 0.0))}
 
 
-class _Model:
-  """One abstract model on the mesh: graphdef, sharded abstract params (and optimizer)."""
-
-  def __init__(self, model_cls, config, mesh, dtype, param_dtype, remat, attention):
-    abstract = nnx.eval_shape(lambda: model_cls(config, dtype=dtype, param_dtype=param_dtype,
-                                                remat=remat, attention=attention,
-                                                rngs=nnx.Rngs(0)))
-    self.graphdef, state = nnx.split(abstract)
-    self.param_shardings = partitioning.state_shardings(state, mesh)
-    self.params = _abstract(state, self.param_shardings)
-    self.num_params = sum(x.size for x in jax.tree.leaves(state))
-    self.tx = learner.make_optimizer(learner.OptimConfig())
-    abstract_opt = jax.eval_shape(self.tx.init, self.params)
-    self.opt = _abstract(abstract_opt, _opt_shardings(self.tx, abstract_opt,
-                                                      self.param_shardings, mesh))
-
-  def sampling_copy(self, mesh, dtype, layout: str):
-    """The sampler's copy of the weights (`sampler.decoding_copy`) in `dtype` and `layout`
-    (partitioning.SAMPLING_LAYOUTS): its graphdef and sharded abstract weights."""
-    graphdef, abstract_copy, _ = sampler_lib.decoding_copy(
-        self.graphdef, self.params, dtype, sampler_lib.layers_as_list(layout, mesh))
-    shardings = partitioning.state_shardings(abstract_copy, mesh,
-                                             partitioning.SAMPLING_LAYOUTS[layout])
-    return graphdef, _abstract(abstract_copy, shardings)
+def _layout(mesh, weights_fsdp_sharded: bool = True) -> costs.Layout:
+  size = lambda axis: mesh.shape.get(axis, 1)
+  return costs.Layout(size("data"), size("fsdp"), size("tensor"), weights_fsdp_sharded)
 
 
-def sampler_row_programs(graphdef, params, config, mesh, batch, cache_len, prefill_len,
-                         dtype, layers_as_list: bool = False) -> dict:
-  """The sampler's row programs as the rollout engine runs them, from the weights `params`
-  it decodes with (`layers_as_list`: their layers are a list, and so is the cache): a
-  prefill of `prefill_len` tokens into every row, and one decode chunk of every row.
-  Name -> (jitted program, abstract arguments, static arguments)."""
-  cache = jax.eval_shape(lambda: qwen2.KVCache.init_rows(config, batch, cache_len, dtype,
-                                                         layers_as_list))
-  replicated = NamedSharding(mesh, PartitionSpec())
-  kv_sharding = lambda x: partitioning.named_sharding(qwen2.KV_CACHE_AXES[-x.ndim:], x.shape,
-                                                      mesh)
-  cache = cache.map_kv(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv_sharding(x)))
-  cache = cache.replace(
-      kv_positions_bs=_rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
-      length=jax.ShapeDtypeStruct((batch,), jnp.int32, sharding=replicated))
-  rows = functools.partial(_rows, mesh)
-  logits_bv = rows((batch, config.vocab_size), jnp.float32)
-  index_k, rows_k = rows((batch,), jnp.int32), rows((batch,), jnp.int32)  # local, global ids
-  prefill, decode = sampler_lib.row_programs(graphdef, (0,), 0)
-  scalar = lambda dtype: jax.ShapeDtypeStruct((), dtype, sharding=replicated)
-  key_k = rows((batch,), jax.eval_shape(lambda: jax.random.key(0)).dtype)
-  per_row = lambda: rows((batch,), jnp.int32)  # budgets, row ids, offsets
-  return {
-      "sampler_prefill": (prefill, (params, cache, logits_bv, index_k, rows_k,
-                                    rows((batch, prefill_len), jnp.int32),
-                                    rows((batch, prefill_len), jnp.bool_), rows((batch,), jnp.bool_)),
-                          {"slots": cache_len}),
-      "sampler_decode": (decode, (params, cache, logits_bv, index_k, rows_k, per_row(), key_k,
-                                  per_row(), per_row(), scalar(jnp.float32),
-                                  scalar(jnp.float32), scalar(jnp.int32)),
-                         {"steps": sampler_lib.DECODE_CHUNK_STEPS, "slots": cache_len,
-                          "greedy": False, "top_k": 0, "use_top_p": False})}
+def _abstract_model(model_cls, spec: PlanSpec, mesh, remat: str):
+  with partitioning.mesh_context(mesh):
+    return nnx.eval_shape(lambda: model_cls(spec.model, dtype=jnp.dtype(spec.dtype),
+                                            param_dtype=jnp.dtype(spec.param_dtype),
+                                            remat=remat, attention=spec.attention,
+                                            rngs=nnx.Rngs(0)))
 
 
-def kv_cache_gib(config: qwen2.Qwen2Config, mesh, batch: int, cache_len: int, dtype) -> float:
-  """Per-device bytes of the sampler's k and v caches, all layers, in GiB."""
-  shape = (config.num_layers, batch, config.num_kv_heads, cache_len, config.head_size)
-  shard = partitioning.named_sharding(qwen2.KV_CACHE_AXES, shape, mesh).shard_shape(shape)
-  return 2 * math.prod(shard) * jnp.dtype(dtype).itemsize / GIB
+def _row_programs_to_compile(calls: list, choice: str) -> list:
+  """All row calls, or the bounding ones: the widest decode chunk and the widest, longest
+  prefill at the full capacity, attending over all of it."""
+  if choice == "all":
+    return calls
+  top = lambda kind: max((c for c in calls if c.kind == kind),
+                         key=lambda c: (c.capacity, c.slots, c.width, c.chunk))
+  return [top("prefill_rows"), top("decode_rows")]
 
 
-def plan(config: qwen2.Qwen2Config, mesh_axes: dict, batch: int, seq_len: int, *,
-         dtype="bfloat16", param_dtype="float32", remat="full", attention="auto", critic=True,
-         reference=False, sampler=True, cache_len: int | None = None,
-         prefill_len: int | None = None, sampling_dtype: str = "bfloat16",
-         sampling_layout: str = "train") -> dict:
-  """Per-device memory and compile seconds of every program of one training step.
+class _Planner:
+  """The abstract models of one step on its meshes, and the programs they run."""
 
-  `batch` is the update's micro-batch (the value and reference passes run in
-  micro-batches of the same size); `cache_len` the sampler's KV slots
-  (default `seq_len`) and `prefill_len` its longest prefill chunk (default
-  `cache_len // 2`). The sampler decodes from a resident copy of the policy in
-  `sampling_dtype` and `sampling_layout` (the recipes' `rollout.sampling_dtype` and
-  `rollout.sampling_layout`; an empty dtype decodes from the training weights).
-  """
-  mesh = partitioning.make_mesh(mesh_axes)
-  dtype, param_dtype = jnp.dtype(dtype), jnp.dtype(param_dtype)
-  remat = qwen2.remat_policy_name(remat)
-  cache_len = cache_len or seq_len
-  prefill_len = prefill_len or cache_len // 2
-  loss_cfg = LossConfig()
-  result = {"model": dataclasses.asdict(config), "mesh": dict(mesh.shape), "batch": batch,
-            "seq_len": seq_len, "cache_len": cache_len, "prefill_len": prefill_len,
-            "dtype": dtype.name, "param_dtype": param_dtype.name, "remat": remat,
-            "attention": attention, "devices": mesh.devices.size,
-            "sampling_dtype": sampling_dtype if sampler else "",
-            "sampling_layout": sampling_layout, "sampling_copy_gib": 0.0}
-  build = lambda cls: _Model(cls, config, mesh, dtype, param_dtype, remat, attention)
-  programs = {}
+  def __init__(self, spec: PlanSpec, devices):
+    self.spec = spec
+    self.mesh = partitioning.make_mesh(spec.mesh_axes, devices)
+    self.hosts = len({d.process_index for d in self.mesh.devices.flat})
+    # The sampler runs on each host's own devices (rlver_jax/multihost.py): plan host 0's.
+    self.local_mesh = self.mesh if self.hosts == 1 else partitioning.make_mesh(
+        partitioning.per_host_axes(spec.mesh_axes, self.hosts),
+        topology.host_devices(list(self.mesh.devices.flat), 0))
+    self.loss_cfg = LossConfig(temperature=spec.temperature, kl_coef=1.0 if spec.reference
+                               else 0.0)
+    tx = learner.make_optimizer(learner.OptimConfig())
+    self.policy_model = _abstract_model(qwen2.Qwen2, spec, self.mesh, spec.remat)
+    self.policy = learner.Learner.abstract(self.policy_model, tx, updates.policy_loss,
+                                           self.loss_cfg, self.mesh)
+    self.critic = self.reference = None
+    if spec.critic:
+      self.critic = learner.Learner.abstract(
+          _abstract_model(qwen2.Qwen2Value, spec, self.mesh, spec.remat), tx,
+          updates.critic_loss, self.loss_cfg, self.mesh, metric_prefix="critic_")
+    if spec.reference:  # frozen, no remat (builder.training_models)
+      self.reference = learner.Learner.abstract(
+          _abstract_model(qwen2.Qwen2, spec, self.mesh, "none"), mesh=self.mesh)
+    self.shape = step.StepShape(micro_batch=spec.micro_batch, seq_len=spec.seq_len,
+                                grad_accum=spec.grad_accum, minibatches=spec.minibatches,
+                                critic=spec.critic, reference=spec.reference)
 
-  def update(model, loss_fn, with_values):
-    step = jax.jit(functools.partial(updates.update, loss_fn, model.graphdef, model.tx,
-                                     loss_cfg), donate_argnums=(0, 1))
-    args = (model.params, model.opt,
-            _batch(mesh, batch, seq_len, targets=True, with_values=with_values))
-    return _compile(step, args, mesh, (model.params, model.opt))
+  @property
+  def rows_per_host(self) -> int:
+    return -(-self.spec.dialogues // self.hosts)
 
-  def forward_pass(model, fn):
-    step = jax.jit(functools.partial(fn, model.graphdef))
-    args = (model.params, _batch(mesh, batch, seq_len, targets=False, with_values=False))
-    return _compile(step, args, mesh, model.params)
+  def learner_programs(self) -> dict[str, Program]:
+    return step.learner_programs(self.policy, self.critic, self.reference, self.shape,
+                                 self.spec.temperature)
 
-  policy = build(qwen2.Qwen2)
-  result["parameters"] = policy.num_params
-  result["unsharded_weights_gib"] = policy.num_params * param_dtype.itemsize / GIB
-  resident = [(policy.params, policy.opt)]
-  programs["policy_update"] = update(policy, updates.policy_loss, False)
-  if critic:
-    value_model = build(qwen2.Qwen2Value)
-    resident.append((value_model.params, value_model.opt))
-    programs["critic_values"] = forward_pass(value_model, forward.critic_values)
-    programs["critic_update"] = update(value_model, updates.critic_loss, True)
-  if reference:
-    resident.append(policy.params)  # a frozen copy of the initial policy
-    programs["reference_logprobs"] = forward_pass(policy, functools.partial(
-        forward.sequence_logprobs, temperature=1.0))
-  if sampler:
-    sampling_graphdef, sampling_params = policy.graphdef, policy.params
-    as_list = False  # the training weights scan their layers
-    if sampling_dtype:  # a resident copy for decoding (Sampler(sampling_dtype=...))
-      as_list = sampler_lib.layers_as_list(sampling_layout, mesh)
-      sampling_graphdef, sampling_params = policy.sampling_copy(
-          mesh, jnp.dtype(sampling_dtype), sampling_layout)
-      resident.append(sampling_params)
-      result["sampling_copy_gib"] = _device_gib(sampling_params)
-    for name, (program, args, static) in sampler_row_programs(
-        sampling_graphdef, sampling_params, config, mesh, batch, cache_len, prefill_len,
-        dtype, as_list).items():
-      programs[name] = _compile(program, args, mesh, sampling_params, **static)
-  result["programs"] = programs
-  result["kv_cache_gib"] = kv_cache_gib(config, mesh, batch, cache_len, dtype)
-  result["resident_gib"] = _device_gib(resident)
-  result["compile_s"] = sum(p["compile_s"] for p in programs.values())
-  result["peak_gib"] = result["resident_gib"] + max(p["extra_gib"] for p in programs.values())
+  def sampling_weights(self, layout: str):
+    """(graphdef, abstract weights, layers as a list, the copy or None) the sampler decodes
+    from on host 0's mesh in `layout`."""
+    graphdef, state = nnx.split(self.policy_model)
+    local = programs.abstract(state, partitioning.state_shardings(state, self.local_mesh))
+    if not self.spec.sampling_dtype:
+      return graphdef, local, False, None
+    copy = sampler_lib.WeightCopy(graphdef, local, jnp.dtype(self.spec.sampling_dtype), layout,
+                                  self.local_mesh)
+    return copy.graphdef, copy.abstract, copy.as_list, copy
+
+  def sampler_programs(self, layout: str, choice: str) -> tuple[dict[str, Program], int, object]:
+    """The refresh and the row programs to compile, the count of row programs a step may
+    compile, and the copy's abstract weights (resident)."""
+    spec = self.spec
+    graphdef, weights, as_list, copy = self.sampling_weights(layout)
+    out = {}
+    if copy is not None:
+      _, state = nnx.split(self.policy_model)
+      local = programs.abstract(state, partitioning.state_shardings(state, self.local_mesh))
+      out["sampler/refresh_weights"] = copy.refresh_program(self.local_mesh, local)
+    shards = math.prod(self.local_mesh.shape[a]
+                       for a in partitioning.mesh_axes("batch", self.local_mesh))
+    calls = sampler_lib.row_calls(self.rows_per_host, spec.cache_len, spec.prefill_len, shards)
+    for call in _row_programs_to_compile(calls, choice):
+      program = sampler_lib.row_program(graphdef, weights, spec.model, self.local_mesh, call,
+                                        math.lcm(self.rows_per_host, shards),
+                                        jnp.dtype(spec.dtype), as_list, spec.sampling)
+      out[call.name] = dataclasses.replace(
+          program, calls=_row_calls_per_step(call, spec, self.rows_per_host))
+    return out, len(calls), (weights if copy is not None else ())
+
+
+def _row_calls_per_step(call, spec: PlanSpec, rows: int) -> float:
+  """How often a step runs a bounding row program, for the estimate: every decode chunk of
+  `dialogue_tokens` tokens, and the prefill of the rest of `seq_len` in full chunks."""
+  if call.kind == "decode_rows":
+    return spec.dialogue_tokens / sampler_lib.DECODE_CHUNK_STEPS * rows / call.width
+  fed = max(spec.seq_len - spec.dialogue_tokens, 0)
+  return fed / call.chunk * rows / call.width
+
+
+def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None) -> dict:
+  """Per-device memory, compile seconds, kernels and estimated costs of every program of one
+  step on `devices` (default: all at hand); `chip` (a TPU generation) adds times, a verdict
+  against its HBM and the step estimate."""
+  planner = _Planner(spec, devices)
+  mesh, local_mesh = planner.mesh, planner.local_mesh
+  device = mesh.devices.flat[0]
+  dtype_bytes = lambda name: jnp.dtype(name).itemsize
+  result = {"model": spec.model_name, "model_config": dataclasses.asdict(spec.model),
+            "platform": device.platform, "device_kind": device.device_kind,
+            "devices": mesh.devices.size, "hosts": planner.hosts, "mesh": dict(mesh.shape),
+            "sampler_mesh": dict(local_mesh.shape), "micro_batch": spec.micro_batch,
+            "seq_len": spec.seq_len, "grad_accum": spec.grad_accum,
+            "minibatches": spec.minibatches, "dialogues": spec.dialogues,
+            "cache_len": spec.cache_len, "prefill_len": spec.prefill_len,
+            "dtype": spec.dtype, "param_dtype": spec.param_dtype, "remat": spec.remat,
+            "attention": spec.attention, "sampling_dtype": spec.sampling_dtype if spec.sampler
+            else "", "sampling_layout": spec.sampling_layout,
+            "parameters": sum(x.size for x in jax.tree.leaves(planner.policy.params))}
+  result["unsharded_weights_gib"] = (result["parameters"] * dtype_bytes(spec.param_dtype) /
+                                     GIB)
+  to_compile = planner.learner_programs()
+  resident = [(planner.policy.params, planner.policy.opt_state)]
+  if planner.critic is not None:
+    resident.append((planner.critic.params, planner.critic.opt_state))
+  if planner.reference is not None:
+    resident.append(planner.reference.params)
+  result["sampling_copy_gib"] = 0.0
+  if spec.sampler:
+    sampler_programs, possible, copy = planner.sampler_programs(spec.sampling_layout,
+                                                                spec.row_programs)
+    to_compile.update(sampler_programs)
+    resident.append(copy)
+    result["sampling_copy_gib"] = programs.device_gib(copy)
+    result["row_programs"] = {"possible": possible, "compiled": sum(
+        name.startswith("sampler/") and "_rows[" in name for name in sampler_programs)}
+  cost_args = dict(compute_bytes=dtype_bytes(spec.dtype), param_bytes=dtype_bytes(
+      spec.param_dtype), sampling_bytes=dtype_bytes(spec.sampling_dtype or spec.param_dtype),
+                   cache_bytes=dtype_bytes(spec.dtype), remat=spec.remat)
+  compiled = {}
+  for name, program in to_compile.items():
+    compiled[name] = compile_program(program)
+    train_layout = spec.sampling_layout == "train" or not name.startswith("sampler/")
+    cost = costs.program_cost(program.work, spec.model, _layout(program.mesh, train_layout),
+                              **cost_args)
+    compiled[name].update(calls=program.calls, **costs.cost_as_dict(cost, chip))
+  result["programs"] = compiled
+  result["resident_gib"] = programs.device_gib(resident)
+  result["compile_s"] = sum(p["compile_s"] for p in compiled.values())
+  result["peak_gib"] = result["resident_gib"] + max(p["extra_gib"] for p in compiled.values())
+  if chip is not None:
+    result["hbm_gib"] = chip.hbm_gib
+    result["fits"] = result["peak_gib"] <= chip.hbm_gib
+    result["assumptions"] = _assumptions(chip)
+    result["estimate"] = _step_estimate(spec, planner, compiled, chip)
+    if spec.sampler and spec.sampling_dtype:
+      result["sampling_layouts"] = _compare_layouts(spec, planner, result, chip, cost_args)
   return result
 
 
+def _assumptions(chip: topology.Generation) -> dict:
+  return {"peak_tflops_bf16": chip.peak_tflops, "hbm_gbps": chip.hbm_gbps,
+          "ici_gbps_one_way": chip.ici_gbps, "source": chip.source,
+          "model": "roofline: max(FLOPs / peak, HBM bytes / bandwidth, ICI bytes / bandwidth) "
+                   "per program, as if all three overlapped (rlver_jax/costs.py); "
+                   "the simulator's latency and host work are not counted",
+          "note": "compiler figures and cost-model estimates, not measurements on hardware"}
+
+
+def _step_estimate(spec: PlanSpec, planner: _Planner, compiled: dict,
+                   chip: topology.Generation) -> dict:
+  """Seconds of one step from each program's estimate times its calls per step, the
+  rollout's decode tokens/s per chip, and the updates' MFU."""
+  seconds = {name: p["estimated_s"] * p["calls"] for name, p in compiled.items()}
+  rollout = sum(s for name, s in seconds.items() if name.startswith("sampler/"))
+  learn = sum(s for name, s in seconds.items() if not name.startswith("sampler/"))
+  update = sum(s for name, s in seconds.items() if name.startswith(("policy/", "critic/"))
+               and not name.endswith("/values"))
+  tokens = spec.micro_batch * spec.grad_accum * spec.minibatches * spec.seq_len
+  model_flops = tokens * costs.model_flops_per_token(spec.model)
+  if spec.critic:
+    model_flops += tokens * costs.model_flops_per_token(spec.model, value_model=True)
+  decode = [p for name, p in compiled.items() if name.startswith("sampler/decode_rows")]
+  out = {"step_s": rollout + learn, "rollout_s": rollout, "learner_s": learn,
+         "update_mfu": model_flops / max(update, 1e-12) / (
+             chip.peak_tflops * 1e12 * planner.mesh.devices.size),
+         "dialogue_tokens": spec.dialogue_tokens}
+  if decode:
+    chunk = max(decode, key=lambda p: p["estimated_s"])
+    width = max(int(re.search(r"w=(\d+)", n).group(1)) for n in compiled
+                if n.startswith("sampler/decode_rows"))
+    out["decode_tokens_per_s_per_chip"] = (width * sampler_lib.DECODE_CHUNK_STEPS /
+                                           chunk["estimated_s"] / planner.local_mesh.devices.size)
+  return out
+
+
+def _compare_layouts(spec, planner, result, chip, cost_args) -> dict:
+  """Both sampler layouts: the copy's memory, the widest decode chunk's memory and estimated
+  time, and whether the step fits with it; `recommended` is the faster one that fits."""
+  out = {}
+  without_copy = result["resident_gib"] - result["sampling_copy_gib"]
+  learner_extra = max(p["extra_gib"] for n, p in result["programs"].items()
+                      if not n.startswith("sampler/"))
+  for layout in partitioning.SAMPLING_LAYOUTS:
+    if layout == spec.sampling_layout:
+      decode = {n: p for n, p in result["programs"].items() if n.startswith("sampler/decode")}
+      copy_gib = result["sampling_copy_gib"]
+    else:
+      listed, _, copy = planner.sampler_programs(layout, "bounding")
+      decode = {n: compile_program(p) for n, p in listed.items()
+                if n.startswith("sampler/decode")}
+      for name, p in decode.items():
+        cost = costs.program_cost(listed[name].work, spec.model,
+                                  _layout(listed[name].mesh, layout == "train"), **cost_args)
+        p.update(costs.cost_as_dict(cost, chip))
+      copy_gib = programs.device_gib(copy)
+    (name, program), = decode.items()
+    peak = without_copy + copy_gib + max(learner_extra, program["extra_gib"])
+    out[layout] = {"copy_gib": copy_gib, "decode_program": name,
+                   "decode_extra_gib": program["extra_gib"],
+                   "decode_chunk_estimated_s": program["estimated_s"],
+                   "decode_bound": program["bound"], "peak_gib": peak,
+                   "fits": peak <= chip.hbm_gib}
+  fitting = [layout for layout, v in out.items() if v["fits"]]
+  out["recommended"] = min(fitting, key=lambda l: out[l]["decode_chunk_estimated_s"]) if (
+      fitting) else None
+  return out
+
+
+# Command line.
+
 def _define_flags() -> None:
-  flags.DEFINE_string("model", "qwen2.5-7b", f"one of {sorted(qwen2.PRESETS)}")
+  from ml_collections import config_flags
+  config_flags.DEFINE_config_file("config", None, "plan a recipe as shipped "
+                                  "(configs/ppo.py[:variant]), with --config.x=y overrides")
+  flags.DEFINE_string("topology", None, "compile for a Cloud TPU slice (v4-8, v5litepod-16, "
+                      "v5p-16, v6e-8, ...), no TPU needed (pip install -e .[tpu])")
+  flags.DEFINE_string("model", "qwen2.5-7b", f"one of {sorted(qwen2.PRESETS)}; with --config, "
+                      "used when policy.checkpoint has no config.json")
   flags.DEFINE_string("hf_config", None, "an HF config.json instead of --model")
   flags.DEFINE_integer("layers", None, "override the layer count (quick what-ifs)")
-  flags.DEFINE_string("mesh", "data=1,fsdp=-1,tensor=1", "mesh axes")
-  flags.DEFINE_integer("batch", 32, "sequences per update (one micro-batch)")
-  flags.DEFINE_integer("seq_len", 8192, "tokens per sequence")
-  flags.DEFINE_integer("cache_len", None, "sampler cache slots (default seq_len)")
+  flags.DEFINE_string("mesh", None, "mesh axes, e.g. data=1,fsdp=8,tensor=1 (default: the "
+                      "config's, else data=1,fsdp=-1,tensor=1)")
+  flags.DEFINE_integer("batch", None, "sequences per micro-batch (default 32; with --config, "
+                       "its dialogues per micro-batch)")
+  flags.DEFINE_integer("seq_len", None, "tokens per sequence (default 8192; with --config, "
+                       "rollout.max_dialogue_tokens rounded up to a power of two)")
+  flags.DEFINE_integer("grad_accum", None, "micro-batches per update (default 1, or the "
+                       "config's optim.grad_accum)")
+  flags.DEFINE_integer("cache_len", None, "sampler cache slots per row (default seq_len)")
   flags.DEFINE_integer("prefill_len", None, "longest sampler prefill chunk (default cache/2)")
+  flags.DEFINE_integer("dialogue_tokens", None, "the policy's tokens per dialogue, for the "
+                       "time estimate (default cache/2)")
   flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
   flags.DEFINE_string("param_dtype", "float32", "parameter dtype")
   flags.DEFINE_string("remat", "full", f"remat policy, one of {qwen2.REMAT_POLICIES}")
   flags.DEFINE_string("attention", "auto", "attention implementation (models/attention.py)")
   flags.DEFINE_bool("critic", True, "also plan the critic (PPO)")
   flags.DEFINE_bool("reference", False, "also plan a reference policy (KL penalty)")
-  flags.DEFINE_bool("sampler", True, "also plan the sampler's prefill and decode")
+  flags.DEFINE_bool("sampler", True, "also plan the sampler's refresh and row programs")
   flags.DEFINE_string("sampling_dtype", "bfloat16", "the sampler's resident copy of the "
                       "weights (rollout.sampling_dtype); empty: it decodes from the training "
                       "weights")
   flags.DEFINE_string("sampling_layout", "train", "that copy's layout "
                       "(rollout.sampling_layout): train (fsdp-sharded) or decode (whole on "
                       "every fsdp shard)")
-  flags.DEFINE_float("device_memory_gib", None, "memory per device, for a verdict")
+  flags.DEFINE_enum("row_programs", "bounding", list(ROW_PROGRAM_CHOICES), "compile every "
+                    "row program a step can meet, or the largest of each kind")
+  flags.DEFINE_float("device_memory_gib", None, "memory per device, for a verdict (default "
+                     "with --topology: the generation's HBM)")
   flags.DEFINE_integer("fake_devices", 0, "plan for N fake CPU devices (read before JAX starts)")
   flags.DEFINE_string("out", None, "also write the plan as JSON here")
 
@@ -300,50 +444,142 @@ def preset(name: str) -> qwen2.Qwen2Config:
   return qwen2.PRESETS[name]
 
 
-def main(argv):
+def _model_from_flags(FLAGS, checkpoint: str = "") -> tuple[qwen2.Qwen2Config, str]:
+  path = FLAGS.hf_config or (os.path.join(checkpoint, "config.json") if checkpoint else "")
+  if path and os.path.exists(path):
+    with open(path) as f:
+      config, name = qwen2.Qwen2Config.from_hf_dict(json.load(f), source=path), path
+  elif FLAGS.hf_config:
+    raise UserInputError(f"--hf_config={FLAGS.hf_config}: no such file")
+  else:
+    config, name = preset(FLAGS.model), FLAGS.model
+  if FLAGS.layers:
+    config = dataclasses.replace(config, num_layers=FLAGS.layers)
+  return config, name
+
+
+def spec_from_config(config, FLAGS) -> PlanSpec:
+  """A recipe as shipped: its mesh, models, micro-batch, accumulation, sampler and sampling;
+  --mesh, --batch, --seq_len and the like still override."""
+  model, name = _model_from_flags(FLAGS, "" if config.policy.tiny_init else
+                                  config.policy.checkpoint)
+  optim, rollout = config.optim, config.rollout
+  dialogues = config.batch_size * rollout.samples_per_profile
+  micro = FLAGS.batch or max(dialogues // (optim.num_minibatches * optim.grad_accum), 1)
+  seq_len = FLAGS.seq_len or sampler_lib.bucket_size(rollout.max_dialogue_tokens)
+  return PlanSpec(
+      model=model, model_name=name,
+      mesh_axes=_mesh_from_flags(FLAGS) or dict(config.mesh),
+      micro_batch=micro, seq_len=seq_len, grad_accum=FLAGS.grad_accum or optim.grad_accum,
+      minibatches=optim.ppo_epochs * optim.num_minibatches,
+      critic=config.rl.algorithm == "ppo", reference=bool(config.rl.kl_coef),
+      dtype=config.policy.dtype, param_dtype=config.policy.param_dtype,
+      remat=config.policy.remat_policy if config.policy.remat else "none",
+      attention=config.policy.attention, sampling_dtype=rollout.sampling_dtype,
+      sampling_layout=rollout.sampling_layout, dialogues=dialogues,
+      cache_len=FLAGS.cache_len or 0, prefill_len=FLAGS.prefill_len or 0,
+      dialogue_tokens=FLAGS.dialogue_tokens or 0,
+      sampling=sampler_lib.SamplingParams(temperature=rollout.temperature, top_k=rollout.top_k,
+                                          top_p=rollout.top_p),
+      temperature=rollout.temperature, row_programs=FLAGS.row_programs)
+
+
+def _mesh_from_flags(FLAGS) -> dict | None:
+  if not FLAGS.mesh:
+    return None
   try:
-    _plan_from_flags(argv)
+    return partitioning.parse_mesh(FLAGS.mesh)
+  except ValueError as e:
+    raise UserInputError(str(e)) from None
+
+
+def spec_from_flags(FLAGS) -> PlanSpec:
+  model, name = _model_from_flags(FLAGS)
+  return PlanSpec(
+      model=model, model_name=name,
+      mesh_axes=_mesh_from_flags(FLAGS) or dict(partitioning.DEFAULT_MESH_AXES),
+      micro_batch=FLAGS.batch or 32, seq_len=FLAGS.seq_len or 8192,
+      grad_accum=FLAGS.grad_accum or 1, critic=FLAGS.critic, reference=FLAGS.reference,
+      dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype, remat=FLAGS.remat,
+      attention=FLAGS.attention, sampler=FLAGS.sampler, sampling_dtype=FLAGS.sampling_dtype,
+      sampling_layout=FLAGS.sampling_layout, cache_len=FLAGS.cache_len or 0,
+      prefill_len=FLAGS.prefill_len or 0, dialogue_tokens=FLAGS.dialogue_tokens or 0,
+      row_programs=FLAGS.row_programs)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  try:
+    _plan_from_flags()
   except UserInputError as e:  # the user's mistake: one line; our bugs keep their traceback
     raise SystemExit(f"error: {e}") from None
 
 
-def _plan_from_flags(argv):
-  del argv
+def _plan_from_flags():
   FLAGS = flags.FLAGS
-  if FLAGS.hf_config:
-    with open(FLAGS.hf_config) as f:
-      config = qwen2.Qwen2Config.from_hf_dict(json.load(f), source=FLAGS.hf_config)
-  else:
-    config = preset(FLAGS.model)
-  if FLAGS.layers:
-    config = dataclasses.replace(config, num_layers=FLAGS.layers)
-  result = plan(config, parse_mesh(FLAGS.mesh), FLAGS.batch, FLAGS.seq_len,
-                dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype, remat=FLAGS.remat,
-                attention=FLAGS.attention, critic=FLAGS.critic, reference=FLAGS.reference,
-                sampler=FLAGS.sampler, cache_len=FLAGS.cache_len, prefill_len=FLAGS.prefill_len,
-                sampling_dtype=FLAGS.sampling_dtype, sampling_layout=FLAGS.sampling_layout)
-  print(f"{FLAGS.hf_config or FLAGS.model}: {result['parameters'] / 1e9:.2f}B parameters, "
-        f"mesh {result['mesh']} on {jax.devices()[0].platform}, batch {FLAGS.batch} x "
-        f"{FLAGS.seq_len} tokens, {FLAGS.dtype} compute / {FLAGS.param_dtype} weights, "
-        f"remat {result['remat']}, attention {result['attention']}")
-  print(f"{'per device, GiB':<20}{'arguments':>11}{'temporaries':>13}{'outputs':>10}"
-        f"{'+resident':>11}{'compile s':>11}")
-  for name, r in result["programs"].items():
-    print(f"{name:<20}{r['argument_gib']:>11.2f}{r['temp_gib']:>13.2f}{r['output_gib']:>10.2f}"
-          f"{r['extra_gib']:>11.2f}{r['compile_s']:>11.1f}")
-  copy = (f", the sampler's {result['sampling_dtype']} copy ({result['sampling_layout']} "
-          f"layout) {result['sampling_copy_gib']:.2f}" if result["sampling_copy_gib"] else "")
-  print(f"resident          {result['resident_gib']:.2f} GiB per device (policy and critic "
-        f"weights and optimizer states{copy}); sampler KV cache "
-        f"{result['kv_cache_gib']:.2f} GiB")
-  print(f"estimated peak    {result['peak_gib']:.2f} GiB per device (resident plus the largest "
-        f"'+resident' column); compile {result['compile_s']:.1f} s in all")
-  if FLAGS.device_memory_gib:
-    verdict = "fits" if result["peak_gib"] <= FLAGS.device_memory_gib else "does NOT fit"
-    print(f"verdict: {verdict} in {FLAGS.device_memory_gib:g} GiB per device")
+  config = FLAGS["config"].value
+  spec = spec_from_config(config, FLAGS) if config is not None else spec_from_flags(FLAGS)
+  devices, chip = None, None
+  if FLAGS.topology:
+    if FLAGS.fake_devices:
+      raise UserInputError("--topology and --fake_devices: choose one")
+    tpu_slice = topology.parse_accelerator_type(FLAGS.topology)
+    devices, chip = topology.slice_devices(tpu_slice), tpu_slice.generation
+  result = plan(spec, devices, chip)
+  if FLAGS.topology:
+    result["topology"] = FLAGS.topology
+  memory = FLAGS.device_memory_gib or (chip.hbm_gib if chip else None)
+  _print(result, spec, memory)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       json.dump(result, f, indent=2)
+
+
+def _print(result: dict, spec: PlanSpec, memory_gib: float | None) -> None:
+  where = result.get("topology", result["platform"])
+  print(f"{result['model']}: {result['parameters'] / 1e9:.2f}B parameters on {where} "
+        f"({result['device_kind']}, {result['devices']} devices, {result['hosts']} host(s)), "
+        f"mesh {result['mesh']}, micro-batch {spec.micro_batch} x {spec.seq_len} tokens "
+        f"(x{spec.grad_accum} accumulated), {spec.dtype} compute / {spec.param_dtype} "
+        f"weights, remat {spec.remat}, attention {spec.attention}")
+  timed = "estimated_s" in next(iter(result["programs"].values()))
+  print(f"{'per device, GiB':<44}{'args':>7}{'temps':>7}{'+resident':>10}{'compile s':>10}"
+        + (f"{'est. s':>9}{'x calls':>9}  bound" if timed else "") + "  kernels")
+  for name, r in result["programs"].items():
+    times = (f"{r['estimated_s']:>9.4f}{r['calls']:>9.1f}  {r['bound']:<7}" if timed else "")
+    kernels = ",".join(r["kernels"]) or "-"
+    print(f"{name:<44}{r['argument_gib']:>7.2f}{r['temp_gib']:>7.2f}{r['extra_gib']:>10.2f}"
+          f"{r['compile_s']:>10.1f}{times}  {kernels}")
+  if "row_programs" in result:
+    rows = result["row_programs"]
+    print(f"row programs: {rows['compiled']} compiled of the {rows['possible']} shapes a step "
+          f"can meet (--row_programs=all compiles every one)")
+  copy = (f", the sampler's {result['sampling_dtype']} copy ({result['sampling_layout']} "
+          f"layout) {result['sampling_copy_gib']:.2f}" if result["sampling_copy_gib"] else "")
+  print(f"resident          {result['resident_gib']:.2f} GiB per device (policy and critic "
+        f"weights and optimizer states{copy})")
+  print(f"estimated peak    {result['peak_gib']:.2f} GiB per device (resident plus the largest "
+        f"'+resident' column); compile {result['compile_s']:.1f} s in all")
+  for layout, v in result.get("sampling_layouts", {}).items():
+    if layout != "recommended":
+      print(f"sampler layout {layout:<7} copy {v['copy_gib']:.2f} GiB, decode chunk "
+            f"+{v['decode_extra_gib']:.2f} GiB, est. {v['decode_chunk_estimated_s']:.3f} s "
+            f"({v['decode_bound']}-bound), peak {v['peak_gib']:.2f} GiB: "
+            f"{'fits' if v['fits'] else 'does NOT fit'}")
+  if "sampling_layouts" in result:
+    print(f"sampler layout recommended: {result['sampling_layouts']['recommended']}")
+  if "estimate" in result:
+    e = result["estimate"]
+    tokens = (f", decode {e['decode_tokens_per_s_per_chip']:.0f} tokens/s per chip"
+              if "decode_tokens_per_s_per_chip" in e else "")
+    print(f"estimated step    {e['step_s']:.1f} s (rollout {e['rollout_s']:.1f} s at "
+          f"{e['dialogue_tokens']} policy tokens a dialogue, learner {e['learner_s']:.1f} s), "
+          f"update MFU {e['update_mfu']:.0%}{tokens}: a roofline cost model "
+          f"(rlver_jax/costs.py), not a measurement")
+  if memory_gib:
+    verdict = "fits" if result["peak_gib"] <= memory_gib else "does NOT fit"
+    print(f"verdict: {verdict} in {memory_gib:g} GiB per device")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from models import qwen2
+from models import partitioning, qwen2
 from models.chat import ChatFormatter
 from models.sampler import Sampler, SamplingParams
 from rlver_jax import generate, tiny
@@ -114,10 +114,10 @@ def test_chat_mode_reuses_the_dialogue_cache(tiny_checkpoint, monkeypatch):
 
 
 def test_mesh_flag_parsing():
-  assert generate.parse_mesh("data=2,fsdp=-1") == {"data": 2, "fsdp": -1}
-  assert generate.parse_mesh("") is None
+  assert partitioning.parse_mesh("data=2,fsdp=-1") == {"data": 2, "fsdp": -1}
+  assert partitioning.parse_mesh("") is None
   with pytest.raises(ValueError, match="--mesh"):
-    generate.parse_mesh("data")
+    partitioning.parse_mesh("data")
 
 
 @pytest.fixture(scope="module")

@@ -87,39 +87,45 @@ def test_plan_compiles_every_program_on_eight_fake_devices():
   config = qwen2.PRESETS["qwen2.5-0.5b"]
   import dataclasses
   small = dataclasses.replace(config, num_layers=2)
-  sharded = plan.plan(small, {"data": 1, "fsdp": 4, "tensor": 2}, batch=8, seq_len=128,
-                      reference=True)
-  single = plan.plan(small, {"data": 1, "fsdp": 1, "tensor": 1}, batch=8, seq_len=128,
-                     critic=False, sampler=False)
+  spec = plan.PlanSpec(model=small, model_name="small", mesh_axes={"data": 1, "fsdp": 4,
+                                                                     "tensor": 2},
+                       micro_batch=8, seq_len=128, reference=True)
+  sharded = plan.plan(spec)
+  single = plan.plan(dataclasses.replace(spec, mesh_axes={"data": 1, "fsdp": 1, "tensor": 1},
+                                         critic=False, reference=False, sampler=False))
   programs = sharded["programs"]
-  assert set(programs) == {"policy_update", "critic_values", "critic_update",
-                           "reference_logprobs", "sampler_prefill", "sampler_decode"}
+  assert set(programs) == {"policy/update", "critic/values", "critic/update",
+                           "reference/logprobs", "sampler/refresh_weights",
+                           "sampler/prefill_rows[w=8,t=64,s=256,c=256]",
+                           "sampler/decode_rows[w=8,s=256,c=256]"}
+  assert sharded["row_programs"]["compiled"] == 2 < sharded["row_programs"]["possible"]
   assert sharded["devices"] == 8 and sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
   for name, program in programs.items():
-    assert program["compile_s"] > 0 and program["temp_gib"] > 0, name
+    assert program["compile_s"] > 0, name
     assert program["extra_gib"] <= program["peak_gib"], name
   # Peak: what stays resident plus the most any one program adds.
   assert sharded["peak_gib"] == pytest.approx(
       sharded["resident_gib"] + max(p["extra_gib"] for p in programs.values()))
-  # The sampler's programs carry the KV cache as an argument on top of the weights.
-  assert programs["sampler_decode"]["extra_gib"] >= sharded["kv_cache_gib"]
+  # The sampler's programs carry the KV cache as an argument on top of the weights:
+  # 2 layers of k and v, 8 rows over fsdp=4, 2 kv heads over tensor=2, 256 slots, bf16.
+  kv_cache_gib = 2 * 2 * 8 * 2 * 256 * 64 * 2 / 2 ** 30 / 8
+  assert programs["sampler/decode_rows[w=8,s=256,c=256]"]["extra_gib"] >= kv_cache_gib
   # Weights and Adam moments (fp32: 3 copies) dominate the arguments; sharding divides them.
   weights = sharded["unsharded_weights_gib"]
-  policy = single["programs"]["policy_update"]
+  policy = single["programs"]["policy/update"]
   assert policy["argument_gib"] >= 3 * weights
-  assert programs["policy_update"]["argument_gib"] < policy["argument_gib"] / 4
+  assert programs["policy/update"]["argument_gib"] < policy["argument_gib"] / 4
   # Policy (+ Adam), critic (+ Adam) and the reference copy stay resident.
   # ... and the sampler's bf16 copy, sharded like the weights (train layout: 8 ways).
   assert sharded["sampling_copy_gib"] == pytest.approx(weights / 2 / 8, rel=0.05)
   assert sharded["resident_gib"] == pytest.approx(7 * weights / 8 + weights / 16, rel=0.05)
-  assert sharded["kv_cache_gib"] == pytest.approx(
-      2 * 2 * 8 * 128 * 2 * 64 * 2 / 2 ** 30 / 8)  # batch over fsdp=4, 2 kv heads over tensor=2
 
 
 def test_row_programs_take_rows_within_each_data_shard():
   # The rollout engine's row programs take chosen rows of a KV cache whose batch is split
   # over fsdp. Each shard takes its own rows, so no all-gather carries cache slots (taking
   # them from the whole batch all-gathered the whole cache: +20 GiB per device at 7B, 16k).
+  from models import sampler as sampler_lib
   config = qwen2.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
                              num_layers=2, num_heads=4, num_kv_heads=2)
   mesh = partitioning.make_mesh({"data": 1, "fsdp": 4, "tensor": 2})
@@ -127,16 +133,17 @@ def test_row_programs_take_rows_within_each_data_shard():
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         state, partitioning.state_shardings(state, mesh))
   cache_len = 512  # no other dimension of the programs has this size
-  programs = plan.sampler_row_programs(graphdef, params, config, mesh, batch=8,
-                                       cache_len=cache_len, prefill_len=16, dtype=jnp.bfloat16)
-  assert set(programs) == {"sampler_prefill", "sampler_decode"}
-  for name, (program, args, static) in programs.items():
+  calls = [sampler_lib.RowCall("prefill_rows", 8, cache_len, cache_len, 16),
+           sampler_lib.RowCall("decode_rows", 8, cache_len, cache_len)]
+  for call in calls:
+    program = sampler_lib.row_program(graphdef, params, config, mesh, call, 8, jnp.bfloat16,
+                                      False, sampler_lib.SamplingParams())
     with partitioning.mesh_context(mesh):
-      hlo = program.lower(*args, **static).compile().as_text()
+      hlo = program.fn.lower(*program.args, **program.static).compile().as_text()
     gathered = [dims.split(",") for dims in
                 re.findall(r"= \w+\[([\d,]*)\]\{[^}]*\} all-gather\(", hlo)]
-    assert gathered, name  # the fsdp-split weights are gathered: the pattern finds them
-    assert not [dims for dims in gathered if str(cache_len) in dims], (name, gathered)
+    assert gathered, call  # the fsdp-split weights are gathered: the pattern finds them
+    assert not [dims for dims in gathered if str(cache_len) in dims], (call, gathered)
 
 
 def test_plan_cli_prints_a_verdict(tmp_path):

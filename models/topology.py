@@ -1,0 +1,136 @@
+"""Cloud TPU slices without a TPU: the devices of an accelerator type, to compile for.
+
+`slice_devices("v5p-16")` gives the 8 devices of a v5p-16 slice (2 hosts) as
+the TPU compiler sees them (`jax.experimental.topologies`), on a machine that
+has no TPU, only `libtpu` (`pip install -e .[tpu]`). Programs lowered onto a
+mesh of those devices compile with the real TPU compiler, deviceless (as
+MaxText's `train_compile.py`); their memory analysis is the TPU's.
+
+`GENERATIONS` holds each generation's published per-chip figures, the
+assumptions of every time estimate (`rlver_jax/plan.py`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from models.errors import UserInputError
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """A TPU generation's per-chip figures (Cloud TPU documentation, bf16).
+
+  `ici_gbps` is the one-way inter-chip bandwidth a collective can use per
+  chip: half the documented bidirectional figure.
+  """
+  name: str  # the topology name's prefix ("v5p")
+  device_kind: str  # what the compiler's devices report
+  hbm_gib: float
+  peak_tflops: float  # bf16 matmul peak
+  hbm_gbps: float
+  ici_gbps: float
+  dims: int  # 3: a 3D torus (v4, v5p); 2: a 2D torus (v5e, v6e)
+  cores_per_chip_in_name: int  # v4-8 and v5p-8 count TensorCores (4 chips); v6e-8 counts chips
+  chip_config: str = "default"
+  source: str = ""
+
+
+GENERATIONS: dict[str, Generation] = {g.name: g for g in (
+    Generation("v4", "TPU v4", 32, 275, 1200, 300, 3, 2, chip_config="megacore",
+               source="cloud.google.com/tpu/docs/v4 (ICI: 6 links x 50 GB/s, the v4 paper)"),
+    Generation("v5e", "TPU v5 lite", 16, 197, 819, 200, 2, 1,
+               source="cloud.google.com/tpu/docs/v5e (400 GB/s bidirectional ICI)"),
+    Generation("v5p", "TPU v5", 95, 459, 2765, 600, 3, 2,
+               source="cloud.google.com/tpu/docs/v5p (1200 GB/s bidirectional ICI)"),
+    Generation("v6e", "TPU v6 lite", 32, 918, 1638, 400, 2, 1,
+               source="cloud.google.com/tpu/docs/v6e (800 GB/s bidirectional ICI)"),
+)}
+# Accelerator-type prefixes as Cloud TPU spells them.
+_ALIASES = {"v4": "v4", "v5e": "v5e", "v5litepod": "v5e", "v5lite": "v5e", "v5p": "v5p",
+            "v6e": "v6e"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+  """One accelerator type: its generation, chip grid and hosts."""
+  accelerator_type: str
+  generation: Generation
+  shape: tuple[int, ...]  # chips along each torus axis
+  chips_per_host: tuple[int, ...]
+
+  @property
+  def chips(self) -> int:
+    return math.prod(self.shape)
+
+  @property
+  def hosts(self) -> int:
+    return self.chips // math.prod(self.chips_per_host)
+
+  @property
+  def topology_name(self) -> str:
+    return f"{self.generation.name}:{'x'.join(map(str, self.shape))}"
+
+
+def _grid(chips: int, dims: int) -> tuple[int, ...]:
+  """Cloud TPU's slice shape for `chips`: 3D grows 2x2x1, 2x2x2, 2x2x4, 2x4x4, 4x4x4, ...;
+  2D grows 1x1, 2x2 (4), 2x4, 4x4, 4x8, 8x8, ..."""
+  if dims == 2:
+    shape = [1, 1]
+    while math.prod(shape) < chips:
+      smallest = min(shape)
+      shape[max(i for i, n in enumerate(shape) if n == smallest)] *= 2
+    if shape == [1, 2]:  # no 2-chip slices
+      raise UserInputError("no 2-chip slice")
+    return tuple(shape)
+  shape = [2, 2, 1] if chips >= 4 else [1, 1, 1]
+  while math.prod(shape) < chips:
+    smallest = min(shape)
+    shape[max(i for i, n in enumerate(shape) if n == smallest)] *= 2
+  return tuple(shape)
+
+
+def parse_accelerator_type(name: str) -> Slice:
+  """`v4-8`, `v5litepod-16`, `v5p-16`, `v6e-8`, ... as a Slice; UserInputError otherwise."""
+  match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", name.strip())
+  known = "v4-N, v5litepod-N (v5e-N), v5p-N, v6e-N"
+  if not match or match.group(1) not in _ALIASES:
+    raise UserInputError(f"--topology={name}: not a Cloud TPU accelerator type ({known}, e.g. "
+                         "v5p-16)")
+  generation = GENERATIONS[_ALIASES[match.group(1)]]
+  count = int(match.group(2))
+  chips, rest = divmod(count, generation.cores_per_chip_in_name)
+  if rest or chips < 1 or chips & (chips - 1):
+    unit = "TensorCores (2 per chip)" if generation.cores_per_chip_in_name == 2 else "chips"
+    raise UserInputError(f"--topology={name}: {generation.name} slices count {unit} in "
+                         "powers of two (e.g. " +
+                         ("v5p-8, v5p-16, v5p-64" if generation.dims == 3 else
+                          "v6e-8, v6e-16, v6e-64") + ")")
+  shape = _grid(chips, generation.dims)
+  if generation.dims == 3:
+    per_host = (min(shape[0], 2), min(shape[1], 2), 1)
+  else:  # one 8-chip host up to 8 chips; 4-chip hosts in larger slices
+    per_host = (min(shape[0], 2), min(shape[1], 4 if chips <= 8 else 2), 1)
+  return Slice(name, generation, shape, per_host)
+
+
+def slice_devices(tpu_slice: Slice) -> list:
+  """The slice's devices, from libtpu's compiler (no TPU needed); their `process_index`
+  says which host each sits on."""
+  try:
+    from jax.experimental import topologies
+    description = topologies.get_topology_desc(
+        platform="tpu", topology_name=tpu_slice.topology_name,
+        chip_config_name=tpu_slice.generation.chip_config,
+        chips_per_host_bounds=tpu_slice.chips_per_host, wrap=(False,) * 3)
+  except Exception as e:  # no libtpu, or one that does not know this generation
+    raise UserInputError(f"cannot compile for {tpu_slice.accelerator_type} without libtpu: "
+                         f"{str(e).splitlines()[0]} (install it: pip install -e .[tpu])") from e
+  return list(description.devices)
+
+
+def host_devices(devices, process_index: int = 0) -> list:
+  """The devices of one host of a slice."""
+  return [d for d in devices if d.process_index == process_index]
