@@ -32,5 +32,8 @@ setup(
         # first (see README) so pip does not pull a CUDA build.
         "test": ["pytest", "hypothesis", "torch"],
         "bench": ["torch", "google-tunix"],
+        # libtpu: compile for TPU slices on any machine (python -m rlver_jax.plan --topology=…),
+        # and run on a TPU VM.
+        "tpu": ["jax[tpu]"],
     },
 )

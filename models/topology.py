@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 
 from models.errors import UserInputError
@@ -119,6 +120,9 @@ def parse_accelerator_type(name: str) -> Slice:
 def slice_devices(tpu_slice: Slice) -> list:
   """The slice's devices, from libtpu's compiler (no TPU needed); their `process_index`
   says which host each sits on."""
+  # Compiling needs no TPU, so planners may run side by side (libtpu otherwise locks itself
+  # to one process per machine).
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   try:
     from jax.experimental import topologies
     description = topologies.get_topology_desc(

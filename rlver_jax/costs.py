@@ -110,10 +110,10 @@ def forward_cost(config, layout: Layout, rows: int, tokens: int, compute_bytes: 
 
 def update_cost(config, layout: Layout, rows: int, tokens: int, compute_bytes: int,
                 param_bytes: int, remat: str, value_model: bool = False,
-                apply: bool = True) -> Cost:
+                apply: bool = True, causal_half: bool = True) -> Cost:
   """A micro-batch's forward and backward pass (3 forward passes' FLOPs, a 4th recomputed
   under full remat) and, with `apply`, the optimizer's update of every weight."""
-  forward = forward_cost(config, layout, rows, tokens, compute_bytes, value_model)
+  forward = forward_cost(config, layout, rows, tokens, compute_bytes, value_model, causal_half)
   passes = 4 if remat == "full" else 3
   cost = Cost(forward.flops * 3 + (forward.flops if passes == 4 else 0.0),
               forward.hbm_bytes * passes, forward.ici_bytes * (passes - 1))
@@ -139,9 +139,12 @@ def accumulate_cost(config, layout: Layout, param_bytes: int, value_model: bool 
 def cached_pass_cost(config, layout: Layout, rows: int, tokens: int, slots: int,
                      weight_bytes_per_param: int, cache_bytes: int) -> Cost:
   """`tokens` new tokens for each of `rows` rows over a cache of which `slots` are attended
-  (the sampler's row prefill, or one decode step with tokens = 1)."""
+  (the sampler's row prefill, or one decode step with tokens = 1); the logits of each row's
+  last token."""
   params = matmul_params(config)
-  flops = 2.0 * params * rows * tokens + attention_flops(config, rows * tokens, slots)
+  head = config.vocab_size * config.hidden_size  # applied to each row's last token only
+  flops = (2.0 * (params - head) * rows * tokens + 2.0 * head * rows +
+           attention_flops(config, rows * tokens, slots))
   weights = params * weight_bytes_per_param
   kv_per_row = (2 * config.num_layers * config.num_kv_heads * config.head_size * cache_bytes)
   kv = kv_per_row * (slots + tokens) * rows / layout.row_shards / layout.tensor
@@ -161,15 +164,20 @@ def copy_cost(config, layout: Layout, from_bytes: int, to_bytes: int) -> Cost:
 
 
 def program_cost(work: dict, config, layout: Layout, *, compute_bytes: int, param_bytes: int,
-                 sampling_bytes: int, cache_bytes: int, remat: str) -> Cost:
-  """The cost of one call of a program from its `work` description."""
+                 sampling_bytes: int, cache_bytes: int, remat: str,
+                 causal_half: bool = True) -> Cost:
+  """The cost of one call of a program from its `work` description; `causal_half`: the
+  uncached passes' attention skips the masked half (splash, blockwise), else it computes
+  every score (einsum)."""
   kind = work["kind"]
   value = work.get("model") == "critic"
   if kind == "forward":
-    return forward_cost(config, layout, work["rows"], work["tokens"], compute_bytes, value)
+    return forward_cost(config, layout, work["rows"], work["tokens"], compute_bytes, value,
+                        causal_half)
   if kind == "update":
     return update_cost(config, layout, work["rows"], work["tokens"], compute_bytes,
-                       param_bytes, remat, value, apply=work.get("apply", True))
+                       param_bytes, remat, value, apply=work.get("apply", True),
+                       causal_half=causal_half)
   if kind == "apply":
     return apply_cost(config, layout, param_bytes, value)
   if kind == "accumulate":

@@ -61,7 +61,7 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from models import partitioning, programs, qwen2, topology  # noqa: E402
+from models import attention, partitioning, programs, qwen2, topology  # noqa: E402
 from models import sampler as sampler_lib  # noqa: E402
 from models.errors import UserInputError  # noqa: E402
 from models.programs import Program  # noqa: E402
@@ -243,12 +243,15 @@ class _Planner:
     shards = math.prod(self.local_mesh.shape[a]
                        for a in partitioning.mesh_axes("batch", self.local_mesh))
     calls = sampler_lib.row_calls(self.rows_per_host, spec.cache_len, spec.prefill_len, shards)
+    bounding = _row_programs_to_compile(calls, "bounding")
     for call in _row_programs_to_compile(calls, choice):
       program = sampler_lib.row_program(graphdef, weights, spec.model, self.local_mesh, call,
                                         math.lcm(self.rows_per_host, shards),
                                         jnp.dtype(spec.dtype), as_list, spec.sampling)
-      out[call.name] = dataclasses.replace(
-          program, calls=_row_calls_per_step(call, spec, self.rows_per_host))
+      # Which smaller shapes a rollout meets depends on its events: the estimate charges
+      # every call to the bounding programs (an upper bound) and none to the others.
+      out[call.name] = dataclasses.replace(program, calls=_row_calls_per_step(
+          call, spec, self.rows_per_host) if call in bounding else 0.0)
     return out, len(calls), (weights if copy is not None else ())
 
 
@@ -297,16 +300,20 @@ def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None) 
     result["sampling_copy_gib"] = programs.device_gib(copy)
     result["row_programs"] = {"possible": possible, "compiled": sum(
         name.startswith("sampler/") and "_rows[" in name for name in sampler_programs)}
+  with partitioning.mesh_context(mesh):  # the uncached passes' attention on these devices
+    uncached = attention.resolve(spec.attention, spec.seq_len, spec.seq_len, cached=False)
   cost_args = dict(compute_bytes=dtype_bytes(spec.dtype), param_bytes=dtype_bytes(
       spec.param_dtype), sampling_bytes=dtype_bytes(spec.sampling_dtype or spec.param_dtype),
-                   cache_bytes=dtype_bytes(spec.dtype), remat=spec.remat)
+                   cache_bytes=dtype_bytes(spec.dtype), remat=spec.remat,
+                   causal_half=uncached != "einsum")
   compiled = {}
   for name, program in to_compile.items():
     compiled[name] = compile_program(program)
     train_layout = spec.sampling_layout == "train" or not name.startswith("sampler/")
     cost = costs.program_cost(program.work, spec.model, _layout(program.mesh, train_layout),
                               **cost_args)
-    compiled[name].update(calls=program.calls, **costs.cost_as_dict(cost, chip))
+    compiled[name].update(calls=program.calls, work=program.work,
+                          **costs.cost_as_dict(cost, chip))
   result["programs"] = compiled
   result["resident_gib"] = programs.device_gib(resident)
   result["compile_s"] = sum(p["compile_s"] for p in compiled.values())
@@ -343,16 +350,14 @@ def _step_estimate(spec: PlanSpec, planner: _Planner, compiled: dict,
   model_flops = tokens * costs.model_flops_per_token(spec.model)
   if spec.critic:
     model_flops += tokens * costs.model_flops_per_token(spec.model, value_model=True)
-  decode = [p for name, p in compiled.items() if name.startswith("sampler/decode_rows")]
+  decode = [p for name, p in compiled.items() if p["work"]["kind"] == "decode_rows"]
   out = {"step_s": rollout + learn, "rollout_s": rollout, "learner_s": learn,
          "update_mfu": model_flops / max(update, 1e-12) / (
              chip.peak_tflops * 1e12 * planner.mesh.devices.size),
          "dialogue_tokens": spec.dialogue_tokens}
-  if decode:
-    chunk = max(decode, key=lambda p: p["estimated_s"])
-    width = max(int(re.search(r"w=(\d+)", n).group(1)) for n in compiled
-                if n.startswith("sampler/decode_rows"))
-    out["decode_tokens_per_s_per_chip"] = (width * sampler_lib.DECODE_CHUNK_STEPS /
+  if decode:  # the widest chunk over the full cache: the rollout's slowest tokens
+    chunk = max(decode, key=lambda p: (p["work"]["slots"], p["work"]["rows"]))
+    out["decode_tokens_per_s_per_chip"] = (chunk["work"]["rows"] * chunk["work"]["tokens"] /
                                            chunk["estimated_s"] / planner.local_mesh.devices.size)
   return out
 
@@ -364,9 +369,12 @@ def _compare_layouts(spec, planner, result, chip, cost_args) -> dict:
   without_copy = result["resident_gib"] - result["sampling_copy_gib"]
   learner_extra = max(p["extra_gib"] for n, p in result["programs"].items()
                       if not n.startswith("sampler/"))
+  widest = lambda p: (p["work"]["capacity"], p["work"]["slots"], p["work"]["rows"])
   for layout in partitioning.SAMPLING_LAYOUTS:
     if layout == spec.sampling_layout:
       decode = {n: p for n, p in result["programs"].items() if n.startswith("sampler/decode")}
+      name = max(decode, key=lambda n: widest(decode[n]))
+      decode = {name: decode[name]}
       copy_gib = result["sampling_copy_gib"]
     else:
       listed, _, copy = planner.sampler_programs(layout, "bounding")
@@ -444,67 +452,85 @@ def preset(name: str) -> qwen2.Qwen2Config:
   return qwen2.PRESETS[name]
 
 
-def _model_from_flags(FLAGS, checkpoint: str = "") -> tuple[qwen2.Qwen2Config, str]:
-  path = FLAGS.hf_config or (os.path.join(checkpoint, "config.json") if checkpoint else "")
-  if path and os.path.exists(path):
-    with open(path) as f:
-      config, name = qwen2.Qwen2Config.from_hf_dict(json.load(f), source=path), path
-  elif FLAGS.hf_config:
-    raise UserInputError(f"--hf_config={FLAGS.hf_config}: no such file")
-  else:
-    config, name = preset(FLAGS.model), FLAGS.model
-  if FLAGS.layers:
-    config = dataclasses.replace(config, num_layers=FLAGS.layers)
-  return config, name
+@dataclasses.dataclass(frozen=True)
+class Overrides:
+  """What the command line sets over a recipe (`spec_from_config`); None keeps the recipe's."""
+  model: str = "qwen2.5-7b"  # used where the recipe's checkpoint has no config.json
+  hf_config: str | None = None
+  layers: int | None = None
+  mesh: str | None = None
+  batch: int | None = None
+  seq_len: int | None = None
+  grad_accum: int | None = None
+  cache_len: int | None = None
+  prefill_len: int | None = None
+  dialogue_tokens: int | None = None
+  row_programs: str = "bounding"
+
+  @classmethod
+  def from_flags(cls, FLAGS) -> "Overrides":
+    return cls(**{field.name: FLAGS[field.name].value for field in dataclasses.fields(cls)})
+
+  def model_config(self, checkpoint: str = "") -> tuple[qwen2.Qwen2Config, str]:
+    """--hf_config, else the checkpoint's config.json, else --model; --layers over it."""
+    path = self.hf_config or (os.path.join(checkpoint, "config.json") if checkpoint else "")
+    if path and os.path.exists(path):
+      with open(path) as f:
+        config, name = qwen2.Qwen2Config.from_hf_dict(json.load(f), source=path), path
+    elif self.hf_config:
+      raise UserInputError(f"--hf_config={self.hf_config}: no such file")
+    else:
+      config, name = preset(self.model), self.model
+    if self.layers:
+      config = dataclasses.replace(config, num_layers=self.layers)
+    return config, name
+
+  def mesh_axes(self) -> dict | None:
+    try:
+      return partitioning.parse_mesh(self.mesh) if self.mesh else None
+    except ValueError as e:
+      raise UserInputError(str(e)) from None
 
 
-def spec_from_config(config, FLAGS) -> PlanSpec:
+def spec_from_config(config, overrides: Overrides = Overrides()) -> PlanSpec:
   """A recipe as shipped: its mesh, models, micro-batch, accumulation, sampler and sampling;
-  --mesh, --batch, --seq_len and the like still override."""
-  model, name = _model_from_flags(FLAGS, "" if config.policy.tiny_init else
-                                  config.policy.checkpoint)
+  `overrides` (--mesh, --batch, --seq_len and the like) still apply."""
+  o = overrides
+  model, name = o.model_config("" if config.policy.tiny_init else config.policy.checkpoint)
   optim, rollout = config.optim, config.rollout
   dialogues = config.batch_size * rollout.samples_per_profile
-  micro = FLAGS.batch or max(dialogues // (optim.num_minibatches * optim.grad_accum), 1)
-  seq_len = FLAGS.seq_len or sampler_lib.bucket_size(rollout.max_dialogue_tokens)
+  micro = o.batch or max(dialogues // (optim.num_minibatches * optim.grad_accum), 1)
   return PlanSpec(
-      model=model, model_name=name,
-      mesh_axes=_mesh_from_flags(FLAGS) or dict(config.mesh),
-      micro_batch=micro, seq_len=seq_len, grad_accum=FLAGS.grad_accum or optim.grad_accum,
+      model=model, model_name=name, mesh_axes=o.mesh_axes() or dict(config.mesh),
+      micro_batch=micro, seq_len=o.seq_len or sampler_lib.bucket_size(rollout.max_dialogue_tokens),
+      grad_accum=o.grad_accum or optim.grad_accum,
       minibatches=optim.ppo_epochs * optim.num_minibatches,
       critic=config.rl.algorithm == "ppo", reference=bool(config.rl.kl_coef),
       dtype=config.policy.dtype, param_dtype=config.policy.param_dtype,
       remat=config.policy.remat_policy if config.policy.remat else "none",
       attention=config.policy.attention, sampling_dtype=rollout.sampling_dtype,
       sampling_layout=rollout.sampling_layout, dialogues=dialogues,
-      cache_len=FLAGS.cache_len or 0, prefill_len=FLAGS.prefill_len or 0,
-      dialogue_tokens=FLAGS.dialogue_tokens or 0,
+      cache_len=o.cache_len or 0, prefill_len=o.prefill_len or 0,
+      dialogue_tokens=o.dialogue_tokens or 0,
       sampling=sampler_lib.SamplingParams(temperature=rollout.temperature, top_k=rollout.top_k,
                                           top_p=rollout.top_p),
-      temperature=rollout.temperature, row_programs=FLAGS.row_programs)
-
-
-def _mesh_from_flags(FLAGS) -> dict | None:
-  if not FLAGS.mesh:
-    return None
-  try:
-    return partitioning.parse_mesh(FLAGS.mesh)
-  except ValueError as e:
-    raise UserInputError(str(e)) from None
+      temperature=rollout.temperature, row_programs=o.row_programs)
 
 
 def spec_from_flags(FLAGS) -> PlanSpec:
-  model, name = _model_from_flags(FLAGS)
+  """A step described by flags alone (no --config)."""
+  o = Overrides.from_flags(FLAGS)
+  model, name = o.model_config()
   return PlanSpec(
       model=model, model_name=name,
-      mesh_axes=_mesh_from_flags(FLAGS) or dict(partitioning.DEFAULT_MESH_AXES),
-      micro_batch=FLAGS.batch or 32, seq_len=FLAGS.seq_len or 8192,
-      grad_accum=FLAGS.grad_accum or 1, critic=FLAGS.critic, reference=FLAGS.reference,
-      dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype, remat=FLAGS.remat,
-      attention=FLAGS.attention, sampler=FLAGS.sampler, sampling_dtype=FLAGS.sampling_dtype,
-      sampling_layout=FLAGS.sampling_layout, cache_len=FLAGS.cache_len or 0,
-      prefill_len=FLAGS.prefill_len or 0, dialogue_tokens=FLAGS.dialogue_tokens or 0,
-      row_programs=FLAGS.row_programs)
+      mesh_axes=o.mesh_axes() or dict(partitioning.DEFAULT_MESH_AXES),
+      micro_batch=o.batch or 32, seq_len=o.seq_len or 8192, grad_accum=o.grad_accum or 1,
+      critic=FLAGS.critic, reference=FLAGS.reference, dtype=FLAGS.dtype,
+      param_dtype=FLAGS.param_dtype, remat=FLAGS.remat, attention=FLAGS.attention,
+      sampler=FLAGS.sampler, sampling_dtype=FLAGS.sampling_dtype,
+      sampling_layout=FLAGS.sampling_layout, cache_len=o.cache_len or 0,
+      prefill_len=o.prefill_len or 0, dialogue_tokens=o.dialogue_tokens or 0,
+      row_programs=o.row_programs)
 
 
 def main(argv):
@@ -519,7 +545,8 @@ def main(argv):
 def _plan_from_flags():
   FLAGS = flags.FLAGS
   config = FLAGS["config"].value
-  spec = spec_from_config(config, FLAGS) if config is not None else spec_from_flags(FLAGS)
+  spec = (spec_from_flags(FLAGS) if config is None else
+          spec_from_config(config, Overrides.from_flags(FLAGS)))
   devices, chip = None, None
   if FLAGS.topology:
     if FLAGS.fake_devices:

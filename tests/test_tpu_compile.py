@@ -1,0 +1,141 @@
+"""TPU lowering, in CI, without a TPU: a tiny model's whole PPO and GRPO steps compiled for a
+two-host v5p-16 slice by libtpu's compiler (deviceless, `models/topology.py`).
+
+A change that breaks TPU lowering (a sharding the TPU partitioner rejects, a
+Pallas kernel Mosaic cannot lower, a silent fallback from splash attention)
+fails here. Without libtpu (`pip install -e .[tpu]`) the module is skipped
+with that reason.
+"""
+
+import dataclasses
+
+import pytest
+
+from models import qwen2, topology
+from models.errors import UserInputError
+
+try:
+  V5P_16 = topology.parse_accelerator_type("v5p-16")
+  DEVICES = topology.slice_devices(V5P_16)
+except UserInputError as e:
+  pytest.skip(f"no TPU compiler: {e}", allow_module_level=True)
+
+from rlver_jax import plan  # noqa: E402
+
+# Splash serves uncached passes longer than attention.EINSUM_MAX_SCORES allows einsum for.
+TINY = qwen2.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
+                         num_heads=4, num_kv_heads=2)
+SPLASH_FORWARD = "tpu_custom_call:splash_mha_fwd"
+SPLASH_BACKWARD = ("tpu_custom_call:splash_mha_dq", "tpu_custom_call:splash_mha_dkv")
+
+
+def _kernels(result, name):
+  return result["programs"][name]["kernels"]
+
+
+def _has(kernels, prefix):
+  return any(k.startswith(prefix) for k in kernels)
+
+
+@pytest.fixture(scope="module")
+def ppo_step():
+  """The PPO step with a KL penalty and gradient accumulation: every learner program, the
+  weight refresh and every row program a step of this shape can meet."""
+  spec = plan.PlanSpec(model=TINY, model_name="tiny", mesh_axes={"data": 1, "fsdp": -1,
+                                                                  "tensor": 1},
+                       micro_batch=8, seq_len=1024, grad_accum=2, critic=True, reference=True,
+                       dialogues=16, cache_len=512, prefill_len=64, row_programs="all")
+  return plan.plan(spec, DEVICES, V5P_16.generation)
+
+
+def test_ppo_step_compiles_for_a_two_host_tpu_slice(ppo_step):
+  result = ppo_step
+  assert result["device_kind"] == "TPU v5" and result["platform"] == "tpu"
+  assert result["devices"] == 8 and result["hosts"] == 2
+  assert result["sampler_mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}  # one host's chips
+  names = set(result["programs"])
+  assert {"critic/values", "reference/logprobs", "policy/gradients",
+          "policy/accumulate_gradients", "policy/apply_gradients", "critic/gradients",
+          "critic/accumulate_gradients", "critic/apply_gradients",
+          "sampler/refresh_weights"} <= names
+  rows = [n for n in names if n.startswith(("sampler/prefill_rows", "sampler/decode_rows"))]
+  assert len(rows) == result["row_programs"]["possible"] == result["row_programs"]["compiled"]
+  assert len(rows) > 10
+  # Splash attention runs the uncached passes and both directions of the updates.
+  for name in ("critic/values", "reference/logprobs", "policy/gradients", "critic/gradients"):
+    assert _has(_kernels(result, name), SPLASH_FORWARD), (name, _kernels(result, name))
+  for name in ("policy/gradients", "critic/gradients"):
+    assert all(_has(_kernels(result, name), k) for k in SPLASH_BACKWARD), _kernels(result, name)
+  # Cached passes attend with einsum: no Mosaic kernel in the row programs.
+  for name in rows:
+    assert not _has(_kernels(result, name), "tpu_custom_call"), (name, _kernels(result, name))
+  for name, program in result["programs"].items():
+    assert program["compile_s"] > 0 and program["estimated_s"] > 0, name
+    assert program["calls"] > 0 or name in rows, name
+  assert result["peak_gib"] < result["hbm_gib"] == 95 and result["fits"]
+  estimate = result["estimate"]
+  assert estimate["step_s"] == pytest.approx(estimate["rollout_s"] + estimate["learner_s"])
+  assert 0 < estimate["update_mfu"] < 1 and estimate["decode_tokens_per_s_per_chip"] > 0
+  layouts = result["sampling_layouts"]
+  assert layouts["recommended"] in ("train", "decode")
+  # The decode layout holds the whole bf16 copy on every chip of a host (fsdp=4 there).
+  assert layouts["decode"]["copy_gib"] == pytest.approx(4 * layouts["train"]["copy_gib"],
+                                                        rel=0.05)
+
+
+def test_grpo_step_compiles_with_one_update_program():
+  spec = plan.PlanSpec(model=TINY, model_name="tiny", mesh_axes={"data": 2, "fsdp": 4,
+                                                                  "tensor": 1},
+                       micro_batch=8, seq_len=1024, critic=False, cache_len=512,
+                       prefill_len=64)
+  result = plan.plan(spec, DEVICES, V5P_16.generation)
+  assert set(result["programs"]) >= {"policy/update", "sampler/refresh_weights"}
+  assert not [n for n in result["programs"] if n.startswith(("critic/", "reference/"))]
+  kernels = _kernels(result, "policy/update")
+  assert _has(kernels, SPLASH_FORWARD) and all(_has(kernels, k) for k in SPLASH_BACKWARD)
+  # Bounding row programs only: the widest decode chunk and prefill at full capacity.
+  assert result["row_programs"]["compiled"] == 2 < result["row_programs"]["possible"]
+  # data=2 over 2 hosts: each host's sampler mesh keeps fsdp=4.
+  assert result["sampler_mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+def test_accelerator_types_name_their_slices():
+  cases = {"v4-8": ("v4", (2, 2, 1), 1), "v4-32": ("v4", (2, 2, 4), 4),
+           "v5p-16": ("v5p", (2, 2, 2), 2), "v5p-64": ("v5p", (2, 4, 4), 8),
+           "v5litepod-16": ("v5e", (4, 4), 4), "v6e-8": ("v6e", (2, 4), 1),
+           "v6e-16": ("v6e", (4, 4), 4), "v6e-64": ("v6e", (8, 8), 16)}
+  for name, (generation, shape, hosts) in cases.items():
+    tpu_slice = topology.parse_accelerator_type(name)
+    assert (tpu_slice.generation.name, tpu_slice.shape, tpu_slice.hosts) == (
+        generation, shape, hosts), name
+  devices = topology.slice_devices(topology.parse_accelerator_type("v6e-16"))
+  assert len(devices) == 16 and devices[0].device_kind == "TPU v6 lite"
+  assert len({d.process_index for d in devices}) == 4
+  for bad in ("v5p-12", "v7x-8", "tpu-8", "v6e-3"):
+    with pytest.raises(UserInputError, match="--topology="):
+      topology.parse_accelerator_type(bad)
+
+
+def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path):
+  # configs/ppo.py as shipped, with a tiny checkpoint's config.json for the model, a shorter
+  # dialogue and a KL penalty: the accumulation programs of its grad_accum=4 are there.
+  import json
+  from configs import ppo
+  checkpoint = tmp_path / "policy"
+  checkpoint.mkdir()
+  (checkpoint / "config.json").write_text(json.dumps({
+      "model_type": "qwen2", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
+      "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
+  config = ppo.get_config()
+  config.policy.checkpoint = str(checkpoint)
+  config.rollout.max_dialogue_tokens = 1000
+  config.rl.kl_coef = 0.01  # an override: the reference pass joins the plan
+  spec = plan.spec_from_config(config)
+  assert (spec.model.num_layers, spec.micro_batch, spec.grad_accum, spec.seq_len) == (1, 8, 4,
+                                                                                       1024)
+  assert spec.critic and spec.reference and spec.sampling_layout == "train"
+  result = plan.plan(dataclasses.replace(spec, cache_len=512, prefill_len=64), DEVICES,
+                     V5P_16.generation)
+  assert {"policy/gradients", "policy/accumulate_gradients", "policy/apply_gradients",
+          "reference/logprobs"} <= set(result["programs"])
+  assert result["programs"]["policy/gradients"]["calls"] == 4
