@@ -29,6 +29,10 @@ Implementations (`ATTENTION_IMPLEMENTATIONS`):
              slot among real tokens, as every caller here builds them.
   auto       einsum for short queries (decode, small chunks); otherwise splash on
              TPU for uncached passes, cudnn on GPU, blockwise elsewhere.
+A single-token decode step over a per-row cache on TPU (`decodes_paged`) runs
+the Pallas paged-attention kernel instead (`paged_decode_attention`): each
+row's keys are read up to its own length, where einsum reads every slot of
+the attended window and masks the rest.
 All take bf16 (or fp32) inputs, multiply in that dtype and keep softmax
 statistics in fp32.
 """
@@ -36,6 +40,7 @@ statistics in fp32.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -102,6 +107,70 @@ def attend(q_btnh: Array, k_bskh: Array, v_bskh: Array, q_positions_bt: Array,
     raise ValueError("splash attention serves uncached passes only (queries == keys); "
                      "use auto, blockwise or einsum")
   return splash_attention(q_btnh, k_bskh, v_bskh, kv_positions_bs)
+
+
+def decodes_paged(implementation: str, num_queries: int, head_size: int,
+                  per_row_lengths) -> bool:
+  """Whether a cached pass runs `paged_decode_attention`: `auto`, one query per row, heads of
+  a multiple of 128 (the kernel's lanes; every Qwen2.5 size has 128), a per-row-length cache
+  (`per_row_lengths` given), compiled for TPU."""
+  return (implementation == "auto" and num_queries == 1 and head_size % 128 == 0 and
+          per_row_lengths is not None and partitioning.target_platform() == "tpu")
+
+
+# Pages of the paged kernel: a row's slots (a power of two >= 256 in the sampler) split into
+# pages of PAGE_SIZE, PAGES_PER_BLOCK of them per kernel step.
+PAGE_SIZE = 128
+PAGES_PER_BLOCK = 4
+
+
+def paged_decode_attention(q_b1nh: Array, k_cache: Array, v_cache: Array, layer,
+                           lengths_b: Array) -> Array:
+  """One query token per row over the first `lengths_b[b]` slots of row b's cache, with the
+  Pallas TPU paged-attention kernel (jax.experimental.pallas.ops.tpu.paged_attention).
+
+  `k_cache`, `v_cache`: a stack [L, B, K, S, H] with `layer` the traced layer index, or one
+  layer's [B, K, S, H] (`layer` None). The cache is never copied: flattened to pages of
+  PAGE_SIZE slots, (layer, row, kv head) is one sequence of S / PAGE_SIZE pages, read by
+  DMA only as far as the row's length. Row b's tokens sit in slots [0, lengths_b[b]) (the
+  per-row layout), which is the position mask of a decode step. Under a mesh it runs per
+  shard, rows over the batch axes and kv heads over tensor, as splash does.
+  """
+  from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+  def kernel_call(q_b1nh, k_cache, v_cache, lengths_b, layer_index):
+    b, _, n, h = q_b1nh.shape
+    kv_heads, slots = k_cache.shape[-3], k_cache.shape[-2]
+    page = min(PAGE_SIZE, slots)
+    pages = slots // page
+    first_row = layer_index * b  # rows of the layers before this one, in the flat pages
+    sequences_bk = ((first_row + jnp.arange(b, dtype=jnp.int32))[:, None] * kv_heads +
+                    jnp.arange(kv_heads, dtype=jnp.int32)[None])
+    page_indices_qp = (sequences_bk.reshape(-1, 1) * pages +
+                       jnp.arange(pages, dtype=jnp.int32)[None])
+    as_pages = lambda x: x.reshape(1, -1, page, h)  # one "kv head": every sequence's pages
+    q_qgh = (q_b1nh[:, 0] * (h ** -0.5)).reshape(b * kv_heads, n // kv_heads, h)
+    # An empty row (padding in a row program) would leave its output unwritten; it attends
+    # to slot 0 instead, and its output is never read.
+    lengths_q = jnp.repeat(jnp.maximum(lengths_b, 1).astype(jnp.int32), kv_heads)
+    out_qgh = paged_attention(q_qgh, as_pages(k_cache), as_pages(v_cache.astype(k_cache.dtype)),
+                              lengths_q, page_indices_qp,
+                              pages_per_compute_block=math.gcd(pages, PAGES_PER_BLOCK))
+    return out_qgh.reshape(b, 1, n, h).astype(q_b1nh.dtype)
+
+  layer_index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return kernel_call(q_b1nh, k_cache, v_cache, lengths_b, layer_index)
+  cache_spec = partitioning.logical_to_spec(
+      ("layers", "batch", "kv_heads", None, None)[-k_cache.ndim:], k_cache.shape, mesh)
+  heads_spec = jax.sharding.PartitionSpec(cache_spec[-4], None, cache_spec[-3], None)
+  rows_spec = jax.sharding.PartitionSpec(cache_spec[-4])
+  return jax.shard_map(kernel_call, mesh=mesh,
+                       in_specs=(heads_spec, cache_spec, cache_spec, rows_spec,
+                                 jax.sharding.PartitionSpec()),
+                       out_specs=heads_spec, check_vma=False)(
+                           q_b1nh, k_cache, v_cache, lengths_b, layer_index)
 
 
 def _grouped(q_btnh: Array, kv_heads: int) -> Array:

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
-from models import attention
+from models import attention, partitioning
 from models import checkpoint_io
 from models.errors import UserInputError
 from models.partitioning import constrain
@@ -286,12 +286,15 @@ def write_slots(cache, new_btkh, write_index, layer) -> Array:
   if jnp.ndim(write_index) == 0:
     new = new_btkh.swapaxes(1, 2)[(None,) * len(at_layer)]
     return jax.lax.dynamic_update_slice(cache, new, (*at_layer, 0, 0, write_index, 0))
-  b, t = new_btkh.shape[:2]
-  slots_bt = write_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-  # The advanced indices ((layer,) row, slot) are split by the kv-head slice, so the
-  # indexed entries come out as [B, T, K, H], the new entries' own shape.
-  return cache.at[(*at_layer, jnp.arange(b)[:, None], slice(None), slots_bt)].set(
-      new_btkh, mode="drop")
+  b, t, k = new_btkh.shape[:3]
+  slots_bt1 = (write_index[:, None] + jnp.arange(t, dtype=jnp.int32)[None])[:, :, None]
+  rows_b11 = jnp.arange(b, dtype=jnp.int32)[:, None, None]
+  heads_11k = jnp.arange(k, dtype=jnp.int32)[None, None, :]
+  # Each (row, slot, kv head) is an index, so the scatter's window is one head's H values:
+  # the cache keeps its [..., S, H] row-major layout, the one the TPU decode kernel reads
+  # (with K and H as the window, XLA:TPU laid the cache out K-minor and copied all of it
+  # back for the kernel, every layer and token).
+  return cache.at[(*at_layer, rows_b11, heads_11k, slots_bt1)].set(new_btkh, mode="drop")
 
 
 @struct.dataclass
@@ -304,16 +307,17 @@ class LayerCache:
   v: Array  # as k
   layer: Array | int | None  # int32 [] under a scan, an int in a Python loop
   write_index: Array  # int32 [] (shared layout) or [B] (per-row layout); see `write_slots`
+  lengths: Array | None = None  # int32 [B]: each row's length after this pass (per-row)
 
   @classmethod
-  def of(cls, k, v, layer, write_index) -> "LayerCache":
+  def of(cls, k, v, layer, write_index, lengths=None) -> "LayerCache":
     """Layer `layer`'s part of a cache's keys and values (`KVCache.k`, `KVCache.v`)."""
     if isinstance(k, tuple):
       if not isinstance(layer, int):
         raise ValueError("a cache of one array per layer (layers_as_list) needs a model whose "
                          "layers are a list (qwen2.unscanned); this one scans them")
-      return cls(k[layer], v[layer], None, write_index)
-    return cls(k, v, layer, write_index)
+      return cls(k[layer], v[layer], None, write_index, lengths)
+    return cls(k, v, layer, write_index, lengths)
 
   def into(self, k, v, layer) -> tuple:
     """The cache's keys and values `k`, `v` with this layer's part written back."""
@@ -369,12 +373,17 @@ class Attention(nnx.Module):
     v_btkh = constrain(v_btkh, _HEADS_AXES["kv"])
 
     if cache is None:
-      k_bskh, v_bskh = k_btkh, v_btkh
+      out_btnh = attention.attend(q_btnh, k_btkh, v_btkh, positions_bt, kv_positions_bs,
+                                  implementation=self.implementation)
     else:
       cache, k_bskh, v_bskh = cache.written(k_btkh, v_btkh)
-
-    out_btnh = attention.attend(q_btnh, k_bskh, v_bskh, positions_bt, kv_positions_bs,
-                                implementation=self.implementation, cached=cache is not None)
+      if attention.decodes_paged(self.implementation, q_btnh.shape[1], q_btnh.shape[3],
+                                 cache.lengths):
+        out_btnh = attention.paged_decode_attention(q_btnh, cache.k, cache.v, cache.layer,
+                                                    cache.lengths)
+      else:
+        out_btnh = attention.attend(q_btnh, k_bskh, v_bskh, positions_bt, kv_positions_bs,
+                                    implementation=self.implementation, cached=True)
     # One contraction over the flattened heads: contracting (n, h) as two dims let the CPU
     # backend pick an (h, n) order and copy the whole o_proj weight transposed, every call.
     b, t, n, h = out_btnh.shape
@@ -530,6 +539,7 @@ class Qwen2Backbone(nnx.Module):
     positions_bt = (default_positions(attention_mask_bt, cache) if positions is None
                     else positions.astype(jnp.int32))
     new_kv_positions_bt = jnp.where(attention_mask_bt, positions_bt, -1)
+    new_length_b = None
     if cache is None:
       kv_positions_bs = new_kv_positions_bt
     elif cache.per_row:
@@ -559,7 +569,7 @@ class Qwen2Backbone(nnx.Module):
       state, i = xs
       layer = nnx.merge(layer_graph, state)
       x_btd, layer_cache = layer(x_btd, positions_bt, kv_positions_bs,
-                                 LayerCache.of(k, v, i, cache.length))
+                                 LayerCache.of(k, v, i, cache.length, new_length_b))
       return (constrain(x_btd, _RESIDUAL_AXES), *layer_cache.into(k, v, i)), None
 
     x_btd, k, v = self._through_layers(cached_body, (x_btd, cache.k, cache.v),

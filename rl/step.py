@@ -111,11 +111,11 @@ def update_programs(name: str, learner, shape: StepShape) -> dict[str, Program]:
   loss = programs.replicated(mesh, (), loss.dtype)
   return {
       f"{name}/gradients": Program(run.gradients, (params, batch, _normaliser(mesh)), mesh,
-                                   resident=resident,
+                                   resident=params,
                                    calls=shape.minibatches * shape.grad_accum,
                                    work={**work, "apply": False}),
+      # Both gradient sums live only within the step: nothing of its arguments is resident.
       f"{name}/accumulate_gradients": Program(run.accumulate_gradients, (grads, grads), mesh,
-                                              resident=resident,
                                               calls=shape.minibatches * (shape.grad_accum - 1),
                                               work={"kind": "accumulate", "model": name}),
       f"{name}/apply_gradients": Program(run.apply_gradients, (params, opt, grads, loss, rate),

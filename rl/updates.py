@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from models import partitioning
 from rl import forward, losses
 from rl.batch import TrainBatch
 from rl.losses import LossConfig
@@ -55,9 +56,10 @@ def critic_loss(graphdef, cfg: LossConfig, params, batch: TrainBatch,
 
 
 def gradients(loss_fn, graphdef, cfg: LossConfig, params, batch: TrainBatch, norm):
-  """((loss, metrics), grads) of one micro-batch."""
-  return jax.value_and_grad(functools.partial(loss_fn, graphdef, cfg), has_aux=True)(
+  """((loss, metrics), grads) of one micro-batch; the gradients placed like the weights."""
+  out, grads = jax.value_and_grad(functools.partial(loss_fn, graphdef, cfg), has_aux=True)(
       params, batch, norm)
+  return out, partitioning.constrain_state(grads)
 
 
 def add_gradients(total, addend):

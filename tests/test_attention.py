@@ -188,3 +188,51 @@ def test_splash_equals_einsum():
   out = attention.splash_attention(q, kk, v, kv_pos).astype(jnp.float32)
   ref = attention.einsum_attention(q, kk, v, q_pos, kv_pos).astype(jnp.float32)
   np.testing.assert_allclose(np.asarray(out)[real], np.asarray(ref)[real], atol=2e-2)
+
+
+@pytest.mark.parametrize("stacked", [True, False])
+@pytest.mark.parametrize("axes", [None, {"data": 1, "fsdp": 2, "tensor": 2}])
+def test_paged_decode_equals_einsum_in_pallas_interpret_mode(stacked, axes):
+  """The TPU decode kernel's wrapper (pages over a per-row cache, a stack's layer index, GQA,
+  shard_map) run by the Pallas TPU interpreter on CPU, against einsum over the same rows:
+  row b sees its slots [0, lengths[b])."""
+  from jax.experimental.pallas import tpu as pltpu
+  from models import partitioning
+  layers, b, k, g, s, h = 3, 4, 2, 3, 512, 128
+  rng = np.random.RandomState(7)
+  as_bf16 = lambda *shape: jnp.asarray(rng.randn(*shape), jnp.bfloat16)
+  k_cache, v_cache = as_bf16(layers, b, k, s, h), as_bf16(layers, b, k, s, h)
+  q = as_bf16(b, 1, k * g, h)
+  lengths = jnp.asarray([1, 130, 512, 77], jnp.int32)  # one slot, a page and a bit, all
+  layer = 1
+  slots = jnp.arange(s)[None]
+  kv_pos = jnp.where(slots < lengths[:, None], slots, -1)
+  ref = attention.einsum_attention(q.astype(jnp.float32),
+                                   k_cache[layer].swapaxes(1, 2).astype(jnp.float32),
+                                   v_cache[layer].swapaxes(1, 2).astype(jnp.float32),
+                                   (lengths - 1)[:, None], kv_pos)
+  args = ((k_cache, v_cache, jnp.int32(layer)) if stacked else
+          (k_cache[layer], v_cache[layer], None))
+  mesh = None if axes is None else partitioning.make_mesh(axes)
+  with pltpu.force_tpu_interpret_mode(), partitioning.mesh_context(mesh):
+    out = jax.jit(lambda q, kc, vc, lengths: attention.paged_decode_attention(
+        q, kc, vc, args[2], lengths))(q, args[0], args[1], lengths)
+  assert out.shape == q.shape and out.dtype == q.dtype
+  # The kernel multiplies in bf16.
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), atol=3e-2)
+
+
+def test_paged_decode_serves_single_token_steps_on_per_row_caches_on_tpu_only():
+  lengths = jnp.zeros((2,), jnp.int32)
+  assert not attention.decodes_paged("auto", 1, 128, lengths)  # this CPU
+  from models import partitioning, topology
+  try:
+    devices = topology.slice_devices(topology.parse_accelerator_type("v5p-8"))
+  except UserInputError as e:
+    pytest.skip(f"no TPU compiler: {e}")
+  with partitioning.mesh_context(partitioning.make_mesh({"fsdp": -1}, devices)):
+    assert attention.decodes_paged("auto", 1, 128, lengths)
+    assert not attention.decodes_paged("auto", 16, 128, lengths)  # a prefill chunk
+    assert not attention.decodes_paged("auto", 1, 64, lengths)  # the kernel's 128 lanes
+    assert not attention.decodes_paged("auto", 1, 128, None)  # a shared-length cache
+    assert not attention.decodes_paged("einsum", 1, 128, lengths)  # chosen explicitly

@@ -22,11 +22,13 @@ except UserInputError as e:
 
 from rlver_jax import plan  # noqa: E402
 
-# Splash serves uncached passes longer than attention.EINSUM_MAX_SCORES allows einsum for.
+# Splash serves uncached passes longer than attention.EINSUM_MAX_SCORES allows einsum for;
+# heads of 128, as every Qwen2.5 size has, for the paged decode kernel.
 TINY = qwen2.Qwen2Config(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2,
-                         num_heads=4, num_kv_heads=2)
+                         num_heads=2, num_kv_heads=1)
 SPLASH_FORWARD = "tpu_custom_call:splash_mha_fwd"
 SPLASH_BACKWARD = ("tpu_custom_call:splash_mha_dq", "tpu_custom_call:splash_mha_dkv")
+PAGED = "tpu_custom_call:paged_attention"
 
 
 def _kernels(result, name):
@@ -66,9 +68,18 @@ def test_ppo_step_compiles_for_a_two_host_tpu_slice(ppo_step):
     assert _has(_kernels(result, name), SPLASH_FORWARD), (name, _kernels(result, name))
   for name in ("policy/gradients", "critic/gradients"):
     assert all(_has(_kernels(result, name), k) for k in SPLASH_BACKWARD), _kernels(result, name)
-  # Cached passes attend with einsum: no Mosaic kernel in the row programs.
+  # Decode chunks attend with the paged kernel, each row up to its own length; prefill
+  # chunks (several queries per row over a cache) with einsum.
   for name in rows:
-    assert not _has(_kernels(result, name), "tpu_custom_call"), (name, _kernels(result, name))
+    kernels = _kernels(result, name)
+    if "decode_rows" in name:
+      assert _has(kernels, PAGED) and not _has(kernels, SPLASH_FORWARD), (name, kernels)
+    else:
+      assert not _has(kernels, "tpu_custom_call"), (name, kernels)
+  # Each micro-batch's gradients leave their program sharded like the weights (fsdp=8); left
+  # unpinned they came out whole on every chip (7B: 28 GiB per chip).
+  weights_per_chip = result["unsharded_weights_gib"] / 8
+  assert result["programs"]["policy/gradients"]["output_gib"] < 2 * weights_per_chip
   for name, program in result["programs"].items():
     assert program["compile_s"] > 0 and program["estimated_s"] > 0, name
     assert program["calls"] > 0 or name in rows, name
@@ -125,7 +136,7 @@ def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path):
   checkpoint.mkdir()
   (checkpoint / "config.json").write_text(json.dumps({
       "model_type": "qwen2", "vocab_size": 512, "hidden_size": 256, "intermediate_size": 512,
-      "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2}))
+      "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}))
   config = ppo.get_config()
   config.policy.checkpoint = str(checkpoint)
   config.rollout.max_dialogue_tokens = 1000
