@@ -7,6 +7,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["rlver_jax*", "models*", "rl*", "sim_user*", "configs*"]),
     package_data={"sim_user": ["prompts/*", "data/*"], "configs": ["*.jsonl"],
+                  "models": ["assets/gpu_target_configs/*"],
                   "rlver_jax": ["assets/*", "assets/tiny_tokenizer/*"]},
     install_requires=[
         "jax>=0.6",
@@ -35,5 +36,7 @@ setup(
         # libtpu: compile for TPU slices on any machine (python -m rlver_jax.plan --topology=…),
         # and run on a TPU VM.
         "tpu": ["jax[tpu]"],
+        # the CUDA plugin: compile for H100/H200 with no GPU (--topology=h200-8), run on GPUs.
+        "gpu": ["jax[cuda12]"],
     },
 )

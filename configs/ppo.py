@@ -66,8 +66,9 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   # "bfloat16", or "" to decode from the fp32 training weights (cast on every step).
   c.rollout.sampling_dtype = "bfloat16"
   # That copy's layout: "train" shards it over fsdp like the training weights (a decode step
-  # gathers bf16 shards); "decode" keeps it whole on every fsdp shard (no gather per token, but
-  # +14.2 GiB per device for 7B on fsdp=8, past the 60 GiB plan: `python -m rlver_jax.plan`).
+  # gathers bf16 shards); "decode" keeps it whole on every chip of a host (no gather per token,
+  # but +10.6 GiB per chip for 7B on a v5p-16). `python -m rlver_jax.plan --config=...`
+  # `--topology=...` shows both, and which is faster where it fits.
   c.rollout.sampling_layout = "train"
 
   c.rl = ml_collections.ConfigDict()

@@ -324,5 +324,14 @@ def make_mesh(axes: Mapping[str, int] | None = None, devices=None) -> Mesh:
     devices = devices[:math.prod(axes.values())]
   sizes = resolve_mesh_shape(axes, len(devices))
   # Auto axes: shardings propagate through the model as in pjit.
-  return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
-                       axis_types=(AxisType.Auto,) * len(sizes))
+  axis_types = (AxisType.Auto,) * len(sizes)
+  try:
+    return jax.make_mesh(tuple(sizes.values()), tuple(sizes), devices=devices,
+                         axis_types=axis_types)
+  except NotImplementedError:
+    # An axis that is no product of the chip grid's sides (fsdp=8 on a 4x4 v6e-16): split a
+    # physical axis rather than refuse the mesh.
+    from jax.experimental import mesh_utils
+    grid = mesh_utils.create_device_mesh(tuple(sizes.values()), devices,
+                                         allow_split_physical_axes=True)
+    return Mesh(grid, tuple(sizes), axis_types=axis_types)

@@ -359,10 +359,8 @@ class Sampler:
       self.state = copy.make(state)
     else:
       self.state = partitioning.place_state(state, mesh)
-    self._prefill = jax.jit(functools.partial(_prefill, self.graphdef), donate_argnums=(1,))
-    self._decode = jax.jit(
-        functools.partial(_decode, self.graphdef, self.stop_token_ids, self.pad_id),
-        donate_argnums=(1,), static_argnames=("max_new_tokens", "greedy", "top_k", "use_top_p"))
+    self._prefill, self._decode = batch_programs(self.graphdef, self.stop_token_ids,
+                                                 self.pad_id)
     self._prefill_rows, self._decode_rows = row_programs(self.graphdef, self.stop_token_ids,
                                                          self.pad_id)
 
@@ -717,18 +715,68 @@ def row_calls(num_rows: int, max_tokens: int, longest_feed: int, shards: int,
   return calls
 
 
+def batch_programs(graphdef, stop_token_ids: Sequence[int], pad_id: int):
+  """The jitted `(prefill, decode)` programs of the batch API (`Sampler.extend`); both donate
+  the cache."""
+  prefill = jax.jit(functools.partial(_prefill, graphdef), donate_argnums=(1,))
+  decode = jax.jit(functools.partial(_decode, graphdef, tuple(stop_token_ids), pad_id),
+                   donate_argnums=(1,),
+                   static_argnames=("max_new_tokens", "greedy", "top_k", "use_top_p"))
+  return prefill, decode
+
+
+def _abstract_cache(config: qwen2.Qwen2Config, mesh: Mesh, rows: int, capacity: int,
+                    cache_dtype, layers_as_list: bool, per_row: bool) -> KVCache:
+  """An empty cache of abstract arrays placed as `Sampler._place_cache` places a real one."""
+  init = KVCache.init_rows if per_row else KVCache.init
+  cache = jax.eval_shape(lambda: init(config, rows, capacity, cache_dtype, layers_as_list))
+  kv_sharding = lambda x: partitioning.named_sharding(KV_CACHE_AXES[-x.ndim:], x.shape, mesh)
+  cache = cache.map_kv(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv_sharding(x)))
+  return cache.replace(
+      kv_positions_bs=programs.rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
+      length=programs.replicated(mesh, cache.length.shape, jnp.int32))
+
+
+def generate_programs(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, rows: int,
+                      prompt_tokens: int, sampling: SamplingParams, cache_dtype,
+                      stop_token_ids: Sequence[int] = (0,),
+                      pad_id: int = 0) -> dict[str, programs.Program]:
+  """The programs of one `Sampler.generate` call on `rows` prompts of up to `prompt_tokens`
+  tokens (`batch_programs`), decoding from `params` (abstract, placed on `mesh`): its
+  "prefill" and its "decode" of `sampling.max_new_tokens` tokens, as the planner compiles
+  them (the in-process simulator runs these)."""
+  batch = math.lcm(bucket_size(rows), math.prod(
+      mesh.shape[a] for a in partitioning.mesh_axes("batch", mesh)))
+  chunk = bucket_size(prompt_tokens, MIN_CHUNK_BUCKET)
+  capacity = bucket_size(chunk + sampling.max_new_tokens, MIN_CACHE_BUCKET)
+  cache = _abstract_cache(config, mesh, batch, capacity, cache_dtype, False, per_row=False)
+  on_rows = lambda shape, dtype: programs.rows(mesh, shape, dtype)
+  prefill, decode = batch_programs(graphdef, stop_token_ids, pad_id)
+  scalar = lambda dtype: programs.replicated(mesh, (), dtype)
+  key = programs.replicated(mesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+  work = {"rows": batch, "slots": capacity, "capacity": capacity}
+  return {
+      "prefill": programs.Program(
+          prefill, (params, cache, on_rows((batch, chunk), jnp.int32),
+                    on_rows((batch, chunk), jnp.bool_)), mesh, resident=params,
+          work={**work, "kind": "prefill_rows", "tokens": chunk}),
+      "decode": programs.Program(
+          decode, (params, cache, on_rows((batch, config.vocab_size), jnp.float32),
+                   on_rows((batch,), jnp.bool_), on_rows((batch,), jnp.int32), key,
+                   on_rows((batch,), jnp.int32), scalar(jnp.float32), scalar(jnp.float32)),
+          mesh, {"max_new_tokens": sampling.max_new_tokens, "greedy": sampling.temperature == 0,
+                 "top_k": sampling.top_k, "use_top_p": sampling.top_p < 1.0}, resident=params,
+          work={**work, "kind": "decode_rows", "tokens": sampling.max_new_tokens})}
+
+
 def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: RowCall,
                 rows: int, cache_dtype, layers_as_list: bool, sampling: SamplingParams,
                 stop_token_ids: Sequence[int] = (0,), pad_id: int = 0,
                 steps: int = DECODE_CHUNK_STEPS) -> programs.Program:
   """`call` of the row programs (`row_programs`) that decode from `params` (abstract,
   placed on `mesh`) for a `RowBatch` of `rows` rows, as the planner compiles it."""
-  cache = jax.eval_shape(lambda: KVCache.init_rows(config, rows, call.capacity, cache_dtype,
-                                                   layers_as_list))
-  kv_sharding = lambda x: partitioning.named_sharding(KV_CACHE_AXES[-x.ndim:], x.shape, mesh)
-  cache = cache.map_kv(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv_sharding(x)))
-  cache = cache.replace(kv_positions_bs=programs.rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
-                        length=programs.replicated(mesh, (rows,), jnp.int32))
+  cache = _abstract_cache(config, mesh, rows, call.capacity, cache_dtype, layers_as_list,
+                          per_row=True)
   on_rows = lambda shape, dtype: programs.rows(mesh, shape, dtype)
   logits_bv = on_rows((rows, config.vocab_size), jnp.float32)
   width = call.width

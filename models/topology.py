@@ -1,10 +1,17 @@
-"""Cloud TPU slices without a TPU: the devices of an accelerator type, to compile for.
+"""Accelerators without the accelerator: the devices of a TPU slice or GPU host, to compile for.
 
-`slice_devices("v5p-16")` gives the 8 devices of a v5p-16 slice (2 hosts) as
-the TPU compiler sees them (`jax.experimental.topologies`), on a machine that
-has no TPU, only `libtpu` (`pip install -e .[tpu]`). Programs lowered onto a
-mesh of those devices compile with the real TPU compiler, deviceless (as
-MaxText's `train_compile.py`); their memory analysis is the TPU's.
+`slice_devices(parse_accelerator_type("v5p-16"))` gives the 8 devices of a
+v5p-16 slice (2 hosts) as the TPU compiler sees them
+(`jax.experimental.topologies`), on a machine with no TPU, only `libtpu`
+(`pip install -e .[tpu]`). Programs lowered onto a mesh of those devices
+compile with the real TPU compiler, deviceless (as MaxText's
+`train_compile.py`); their memory analysis is the TPU's.
+
+`h100-8`, `h200-16` (8 GPUs a host) do the same for NVIDIA GPUs through the
+CUDA plugin (`pip install -e .[gpu]`), given XLA's target description of the
+GPU (`models/assets/gpu_target_configs`); no GPU or driver is needed. Without
+a device there is no autotuning: the compiled kernels are XLA's defaults, so
+memory and kernels are the GPU's, speed is not.
 
 `GENERATIONS` holds each generation's published per-chip figures, the
 assumptions of every time estimate (`rlver_jax/plan.py`).
@@ -18,6 +25,9 @@ import os
 import re
 
 from models.errors import UserInputError
+
+_TARGET_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets",
+                               "gpu_target_configs")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +47,8 @@ class Generation:
   cores_per_chip_in_name: int  # v4-8 and v5p-8 count TensorCores (4 chips); v6e-8 counts chips
   chip_config: str = "default"
   source: str = ""
+  platform: str = "tpu"
+  target_config: str = ""  # GPUs: the GpuTargetConfigProto file in assets/gpu_target_configs
 
 
 GENERATIONS: dict[str, Generation] = {g.name: g for g in (
@@ -48,10 +60,19 @@ GENERATIONS: dict[str, Generation] = {g.name: g for g in (
                source="cloud.google.com/tpu/docs/v5p (1200 GB/s bidirectional ICI)"),
     Generation("v6e", "TPU v6 lite", 32, 918, 1638, 400, 2, 1,
                source="cloud.google.com/tpu/docs/v6e (800 GB/s bidirectional ICI)"),
+    # NVLink within a host (900 GB/s bidirectional); across hosts the network is slower, and
+    # the estimates do not model it.
+    Generation("h100", "NVIDIA H100 80GB HBM3", 79.1, 989, 3352, 450, 1, 1, platform="gpu",
+               target_config="h100_sxm.txtpb",
+               source="NVIDIA H100 SXM datasheet (dense bf16), XLA's h100_sxm target config"),
+    Generation("h200", "NVIDIA H200 141GB HBM3e", 141.0, 989, 4800, 450, 1, 1, platform="gpu",
+               target_config="h200.txtpb",
+               source="NVIDIA H200 SXM datasheet (dense bf16), XLA's h200 target config"),
 )}
+GPUS_PER_HOST = 8
 # Accelerator-type prefixes as Cloud TPU spells them.
 _ALIASES = {"v4": "v4", "v5e": "v5e", "v5litepod": "v5e", "v5lite": "v5e", "v5p": "v5p",
-            "v6e": "v6e"}
+            "v6e": "v6e", "h100": "h100", "h200": "h200"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +93,8 @@ class Slice:
 
   @property
   def topology_name(self) -> str:
+    if self.generation.platform == "gpu":  # slices x hosts x devices per host
+      return f"1x{self.hosts}x{math.prod(self.chips_per_host)}"
     return f"{self.generation.name}:{'x'.join(map(str, self.shape))}"
 
 
@@ -95,13 +118,19 @@ def _grid(chips: int, dims: int) -> tuple[int, ...]:
 
 def parse_accelerator_type(name: str) -> Slice:
   """`v4-8`, `v5litepod-16`, `v5p-16`, `v6e-8`, ... as a Slice; UserInputError otherwise."""
-  match = re.fullmatch(r"(v\d+[a-z]*)-(\d+)", name.strip())
-  known = "v4-N, v5litepod-N (v5e-N), v5p-N, v6e-N"
+  match = re.fullmatch(r"([vh]\d+[a-z]*)-(\d+)", name.strip())
+  known = "v4-N, v5litepod-N (v5e-N), v5p-N, v6e-N; h100-N, h200-N GPUs"
   if not match or match.group(1) not in _ALIASES:
-    raise UserInputError(f"--topology={name}: not a Cloud TPU accelerator type ({known}, e.g. "
-                         "v5p-16)")
+    raise UserInputError(f"--topology={name}: not an accelerator type ({known}, e.g. v5p-16 "
+                         "or h200-8)")
   generation = GENERATIONS[_ALIASES[match.group(1)]]
   count = int(match.group(2))
+  if generation.platform == "gpu":
+    per_host = min(count, GPUS_PER_HOST)
+    if count < 1 or count % per_host:
+      raise UserInputError(f"--topology={name}: {generation.name} hosts hold "
+                           f"{GPUS_PER_HOST} GPUs; give 1-8 or a multiple of 8")
+    return Slice(name, generation, (count,), (per_host,))
   chips, rest = divmod(count, generation.cores_per_chip_in_name)
   if rest or chips < 1 or chips & (chips - 1):
     unit = "TensorCores (2 per chip)" if generation.cores_per_chip_in_name == 2 else "chips"
@@ -117,24 +146,48 @@ def parse_accelerator_type(name: str) -> Slice:
   return Slice(name, generation, shape, per_host)
 
 
-def slice_devices(tpu_slice: Slice) -> list:
-  """The slice's devices, from libtpu's compiler (no TPU needed); their `process_index`
-  says which host each sits on."""
+def prepare_environment(accelerator_type: str) -> None:
+  """Environment for compiling deviceless, set before JAX starts (`rlver_jax/plan.py`)."""
   # Compiling needs no TPU, so planners may run side by side (libtpu otherwise locks itself
   # to one process per machine).
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  # The programs run on no device here: the host's CPU backend is the only one to start (an
+  # installed CUDA plugin otherwise fails its driver check without a GPU) ...
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if accelerator_type.startswith("h"):
+    # ... and the CUDA plugin's compiler, which needs no driver, skips that check.
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+
+
+def slice_devices(accelerators: Slice) -> list:
+  """The slice's devices, from libtpu's or the CUDA plugin's compiler (no device needed);
+  their `process_index` says which host each sits on."""
+  prepare_environment(accelerators.accelerator_type)
+  generation = accelerators.generation
   try:
     from jax.experimental import topologies
-    description = topologies.get_topology_desc(
-        platform="tpu", topology_name=tpu_slice.topology_name,
-        chip_config_name=tpu_slice.generation.chip_config,
-        chips_per_host_bounds=tpu_slice.chips_per_host, wrap=(False,) * 3)
-  except Exception as e:  # no libtpu, or one that does not know this generation
-    raise UserInputError(f"cannot compile for {tpu_slice.accelerator_type} without libtpu: "
-                         f"{str(e).splitlines()[0]} (install it: pip install -e .[tpu])") from e
+    if generation.platform == "gpu":
+      with open(os.path.join(_TARGET_CONFIGS, generation.target_config)) as f:
+        description = topologies.get_topology_desc(
+            platform="cuda", target_config=f.read(), topology=accelerators.topology_name)
+    else:
+      description = topologies.get_topology_desc(
+          platform="tpu", topology_name=accelerators.topology_name,
+          chip_config_name=generation.chip_config,
+          chips_per_host_bounds=accelerators.chips_per_host, wrap=(False,) * 3)
+  except Exception as e:  # no libtpu / CUDA plugin, or one that does not know this device
+    extra = "tpu" if generation.platform == "tpu" else "gpu"
+    raise UserInputError(f"cannot compile for {accelerators.accelerator_type}: "
+                         f"{str(e).splitlines()[0]} (the compiler comes with "
+                         f"pip install -e .[{extra}])") from e
   return list(description.devices)
 
 
-def host_devices(devices, process_index: int = 0) -> list:
-  """The devices of one host of a slice."""
-  return [d for d in devices if d.process_index == process_index]
+def one_host(accelerators: Slice) -> Slice:
+  """One host of a slice as a slice of its own: the chips a host-local program (the sampler's)
+  compiles for. (The deviceless compiler rejects a program over one host's devices of a
+  larger slice whose device ids are not 0..n-1, as v6e-16's host 0 holds 0, 1, 4 and 5.)"""
+  per_host = accelerators.chips_per_host
+  shape = per_host if accelerators.generation.platform == "gpu" else per_host[:len(
+      accelerators.shape)]
+  return dataclasses.replace(accelerators, shape=tuple(shape), chips_per_host=per_host)

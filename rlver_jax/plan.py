@@ -36,19 +36,24 @@ import os
 import sys
 
 
-def _fake_devices_from_argv(argv) -> int:
+def _flag_from_argv(argv, name: str) -> str:
+  """A flag's value read before absl parses the command line (JAX must be set up first)."""
   for i, arg in enumerate(argv):
-    if arg.startswith("--fake_devices="):
-      return int(arg.split("=", 1)[1])
-    if arg == "--fake_devices" and i + 1 < len(argv):
-      return int(argv[i + 1])
-  return 0
+    if arg.startswith(f"--{name}="):
+      return arg.split("=", 1)[1]
+    if arg == f"--{name}" and i + 1 < len(argv):
+      return argv[i + 1]
+  return ""
 
 
-if __name__ == "__main__" and _fake_devices_from_argv(sys.argv):
+if __name__ == "__main__" and _flag_from_argv(sys.argv, "topology"):
+  from models import topology as _topology  # the deviceless compiler's environment
+  _topology.prepare_environment(_flag_from_argv(sys.argv, "topology"))
+
+if __name__ == "__main__" and int(_flag_from_argv(sys.argv, "fake_devices") or 0):
   os.environ["JAX_PLATFORMS"] = "cpu"
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
-                             f"device_count={_fake_devices_from_argv(sys.argv)}").strip()
+                             f"device_count={_flag_from_argv(sys.argv, 'fake_devices')}").strip()
 
 import dataclasses  # noqa: E402
 import json  # noqa: E402
@@ -67,7 +72,7 @@ from models.errors import UserInputError  # noqa: E402
 from models.programs import Program  # noqa: E402
 from rl import learner, step, updates  # noqa: E402
 from rl.losses import LossConfig  # noqa: E402
-from rlver_jax import costs  # noqa: E402
+from rlver_jax import costs, simulator_factory  # noqa: E402
 
 GIB = programs.GIB
 ROW_PROGRAM_CHOICES = ("bounding", "all")
@@ -105,6 +110,14 @@ class PlanSpec:
   sampling: sampler_lib.SamplingParams = sampler_lib.SamplingParams()
   temperature: float = 1.0
   row_programs: str = "bounding"
+  # The in-process simulator (sim_user.backend=flax): its model, None without one; each of its
+  # calls generates `simulator_sampling.max_new_tokens` for up to `simulator_batch` prompts of
+  # up to `simulator_prompt_tokens` tokens.
+  simulator: qwen2.Qwen2Config | None = None
+  simulator_batch: int = 64
+  simulator_prompt_tokens: int = 8192
+  simulator_sampling: sampler_lib.SamplingParams = sampler_lib.SamplingParams(max_new_tokens=1024)
+  simulator_turns: int = 9  # user turns a dialogue (the rules' agent replies)
 
   def __post_init__(self):
     if self.row_programs not in ROW_PROGRAM_CHOICES:
@@ -139,7 +152,10 @@ def compile_program(program: Program) -> dict:
   with partitioning.mesh_context(program.mesh):
     lowered = program.fn.lower(*program.args, **program.static)
     start = time.perf_counter()
-    compiled = lowered.compile()
+    try:
+      compiled = lowered.compile()
+    except jax.errors.JaxRuntimeError as e:
+      return _out_of_memory(e, program, time.perf_counter() - start)
     seconds = time.perf_counter() - start
   stats = compiled.memory_analysis()
   argument_gib = stats.argument_size_in_bytes / GIB
@@ -157,6 +173,21 @@ def compile_program(program: Program) -> dict:
                        new_outputs_gib,
           "kernels": kernels_of(compiled.as_text()),
           "xla_flops_loop_bodies_once": float(analysis.get("flops", 0.0))}
+
+
+def _out_of_memory(error, program: Program, seconds: float) -> dict:
+  """A program the TPU compiler refused because its temporaries exceed the chip's HBM: what it
+  said it needs, so the plan reports the program as not fitting (other errors are raised)."""
+  needed = re.search(r"RESOURCE_EXHAUSTED: .*?temporaries \(([\d.]+)G\)", str(error))
+  if not needed:
+    raise error
+  arguments = programs.device_gib(program.args)
+  temp = float(needed.group(1))
+  return {"compile_s": seconds, "argument_gib": arguments, "temp_gib": temp, "output_gib": 0.0,
+          "peak_gib": arguments + temp,
+          "extra_gib": arguments - programs.device_gib(program.resident) + temp,
+          "kernels": [], "xla_flops_loop_bodies_once": 0.0,
+          "error": str(error).splitlines()[0]}
 
 
 def _layout(mesh, weights_fsdp_sharded: bool = True) -> costs.Layout:
@@ -185,14 +216,15 @@ def _row_programs_to_compile(calls: list, choice: str) -> list:
 class _Planner:
   """The abstract models of one step on its meshes, and the programs they run."""
 
-  def __init__(self, spec: PlanSpec, devices):
+  def __init__(self, spec: PlanSpec, devices, host_devices=None):
     self.spec = spec
     self.mesh = partitioning.make_mesh(spec.mesh_axes, devices)
     self.hosts = len({d.process_index for d in self.mesh.devices.flat})
-    # The sampler runs on each host's own devices (rlver_jax/multihost.py): plan host 0's.
+    # The sampler runs on each host's own devices (rlver_jax/multihost.py): one host's.
+    if self.hosts > 1 and host_devices is None:
+      host_devices = [d for d in self.mesh.devices.flat if d.process_index == 0]
     self.local_mesh = self.mesh if self.hosts == 1 else partitioning.make_mesh(
-        partitioning.per_host_axes(spec.mesh_axes, self.hosts),
-        topology.host_devices(list(self.mesh.devices.flat), 0))
+        partitioning.per_host_axes(spec.mesh_axes, self.hosts), host_devices)
     self.loss_cfg = LossConfig(temperature=spec.temperature, kl_coef=1.0 if spec.reference
                                else 0.0)
     tx = learner.make_optimizer(learner.OptimConfig())
@@ -255,6 +287,25 @@ class _Planner:
     return out, len(calls), (weights if copy is not None else ())
 
 
+  def simulator_programs(self) -> tuple[dict[str, Program], object]:
+    """The in-process simulator's generate programs on host 0's mesh (its bf16 weights placed
+    like the policy's, `builder.simulated_user`), and those weights (resident)."""
+    spec = self.spec
+    model = _abstract_model(qwen2.Qwen2, dataclasses.replace(
+        spec, model=spec.simulator, dtype="bfloat16", param_dtype="bfloat16"), self.local_mesh,
+                            "none")
+    graphdef, state = nnx.split(model)
+    weights = programs.abstract(state, partitioning.state_shardings(state, self.local_mesh))
+    rows = min(spec.simulator_batch, self.rows_per_host)
+    listed = sampler_lib.generate_programs(graphdef, weights, spec.simulator, self.local_mesh,
+                                           rows, spec.simulator_prompt_tokens,
+                                           spec.simulator_sampling, jnp.bfloat16)
+    # Two calls (emotion analysis, then the reply) per user turn, for every dialogue.
+    calls = 2 * spec.simulator_turns * -(-self.rows_per_host // rows)
+    return {f"sim_user/{name}[b={p.work['rows']},t={p.work['tokens']},c={p.work['capacity']}]":
+            dataclasses.replace(p, calls=calls) for name, p in listed.items()}, weights
+
+
 def _row_calls_per_step(call, spec: PlanSpec, rows: int) -> float:
   """How often a step runs a bounding row program, for the estimate: every decode chunk of
   `dialogue_tokens` tokens, and the prefill of the rest of `seq_len` in full chunks."""
@@ -264,11 +315,13 @@ def _row_calls_per_step(call, spec: PlanSpec, rows: int) -> float:
   return fed / call.chunk * rows / call.width
 
 
-def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None) -> dict:
+def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None,
+         host_devices=None) -> dict:
   """Per-device memory, compile seconds, kernels and estimated costs of every program of one
-  step on `devices` (default: all at hand); `chip` (a TPU generation) adds times, a verdict
-  against its HBM and the step estimate."""
-  planner = _Planner(spec, devices)
+  step on `devices` (default: all at hand); `chip` (a TPU or GPU generation) adds times, a
+  verdict against its HBM and the step estimate. Host-local programs (the sampler's) compile
+  for `host_devices` (default: the devices of process 0)."""
+  planner = _Planner(spec, devices, host_devices)
   mesh, local_mesh = planner.mesh, planner.local_mesh
   device = mesh.devices.flat[0]
   dtype_bytes = lambda name: jnp.dtype(name).itemsize
@@ -285,21 +338,11 @@ def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None) 
             "parameters": sum(x.size for x in jax.tree.leaves(planner.policy.params))}
   result["unsharded_weights_gib"] = (result["parameters"] * dtype_bytes(spec.param_dtype) /
                                      GIB)
-  to_compile = planner.learner_programs()
   resident = [(planner.policy.params, planner.policy.opt_state)]
   if planner.critic is not None:
     resident.append((planner.critic.params, planner.critic.opt_state))
   if planner.reference is not None:
     resident.append(planner.reference.params)
-  result["sampling_copy_gib"] = 0.0
-  if spec.sampler:
-    sampler_programs, possible, copy = planner.sampler_programs(spec.sampling_layout,
-                                                                spec.row_programs)
-    to_compile.update(sampler_programs)
-    resident.append(copy)
-    result["sampling_copy_gib"] = programs.device_gib(copy)
-    result["row_programs"] = {"possible": possible, "compiled": sum(
-        name.startswith("sampler/") and "_rows[" in name for name in sampler_programs)}
   with partitioning.mesh_context(mesh):  # the uncached passes' attention on these devices
     uncached = attention.resolve(spec.attention, spec.seq_len, spec.seq_len, cached=False)
   cost_args = dict(compute_bytes=dtype_bytes(spec.dtype), param_bytes=dtype_bytes(
@@ -307,13 +350,35 @@ def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None) 
                    cache_bytes=dtype_bytes(spec.dtype), remat=spec.remat,
                    causal_half=uncached != "einsum")
   compiled = {}
-  for name, program in to_compile.items():
-    compiled[name] = compile_program(program)
-    train_layout = spec.sampling_layout == "train" or not name.startswith("sampler/")
-    cost = costs.program_cost(program.work, spec.model, _layout(program.mesh, train_layout),
-                              **cost_args)
-    compiled[name].update(calls=program.calls, work=program.work,
-                          **costs.cost_as_dict(cost, chip))
+
+  def compile_all(listed: dict, sampling_layout: str = "train") -> None:
+    for name, program in listed.items():
+      if name not in compiled:
+        compiled[name] = _compiled_with_cost(program, name, spec, sampling_layout, cost_args,
+                                             chip)
+
+  compile_all(planner.learner_programs())
+  if spec.simulator is not None:
+    simulator_programs, simulator_weights = planner.simulator_programs()
+    compile_all(simulator_programs)
+    resident.append(simulator_weights)
+  result["sampling_copy_gib"] = 0.0
+  if spec.sampler:
+    layout = spec.sampling_layout
+    if chip is not None and spec.sampling_dtype:
+      comparison, decode_programs = _compare_layouts(spec, planner, resident, compiled, chip,
+                                                     cost_args)
+      result["sampling_layouts"] = comparison
+      if layout == "auto":  # the faster layout that fits
+        layout = comparison["recommended"] or "train"
+      compiled.update(decode_programs[layout])
+    layout = "train" if layout == "auto" else layout
+    sampler_programs, possible, copy = planner.sampler_programs(layout, spec.row_programs)
+    compile_all(sampler_programs, layout)
+    resident.append(copy)
+    result.update(sampling_layout=layout, sampling_copy_gib=programs.device_gib(copy),
+                  row_programs={"possible": possible, "compiled": sum(
+                      "_rows[" in name for name in sampler_programs)})
   result["programs"] = compiled
   result["resident_gib"] = programs.device_gib(resident)
   result["compile_s"] = sum(p["compile_s"] for p in compiled.values())
@@ -323,9 +388,18 @@ def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None) 
     result["fits"] = result["peak_gib"] <= chip.hbm_gib
     result["assumptions"] = _assumptions(chip)
     result["estimate"] = _step_estimate(spec, planner, compiled, chip)
-    if spec.sampler and spec.sampling_dtype:
-      result["sampling_layouts"] = _compare_layouts(spec, planner, result, chip, cost_args)
   return result
+
+
+def _compiled_with_cost(program: Program, name: str, spec: PlanSpec, sampling_layout: str,
+                        cost_args: dict, chip) -> dict:
+  """`compile_program` plus the cost model's estimate of one call and the calls per step."""
+  out = compile_program(program)
+  weights_fsdp_sharded = sampling_layout == "train" or not name.startswith("sampler/")
+  cost = costs.program_cost(program.work, spec.model,
+                            _layout(program.mesh, weights_fsdp_sharded), **cost_args)
+  out.update(calls=program.calls, work=program.work, **costs.cost_as_dict(cost, chip))
+  return out
 
 
 def _assumptions(chip: topology.Generation) -> dict:
@@ -342,15 +416,17 @@ def _step_estimate(spec: PlanSpec, planner: _Planner, compiled: dict,
   """Seconds of one step from each program's estimate times its calls per step, the
   rollout's decode tokens/s per chip, and the updates' MFU."""
   seconds = {name: p["estimated_s"] * p["calls"] for name, p in compiled.items()}
-  rollout = sum(s for name, s in seconds.items() if name.startswith("sampler/"))
-  learn = sum(s for name, s in seconds.items() if not name.startswith("sampler/"))
+  in_rollout = lambda name: name.startswith(("sampler/", "sim_user/"))
+  rollout = sum(s for name, s in seconds.items() if in_rollout(name))
+  learn = sum(s for name, s in seconds.items() if not in_rollout(name))
   update = sum(s for name, s in seconds.items() if name.startswith(("policy/", "critic/"))
                and not name.endswith("/values"))
   tokens = spec.micro_batch * spec.grad_accum * spec.minibatches * spec.seq_len
   model_flops = tokens * costs.model_flops_per_token(spec.model)
   if spec.critic:
     model_flops += tokens * costs.model_flops_per_token(spec.model, value_model=True)
-  decode = [p for name, p in compiled.items() if p["work"]["kind"] == "decode_rows"]
+  decode = [p for name, p in compiled.items()
+            if name.startswith("sampler/") and p["work"]["kind"] == "decode_rows"]
   out = {"step_s": rollout + learn, "rollout_s": rollout, "learner_s": learn,
          "update_mfu": model_flops / max(update, 1e-12) / (
              chip.peak_tflops * 1e12 * planner.mesh.devices.size),
@@ -362,40 +438,29 @@ def _step_estimate(spec: PlanSpec, planner: _Planner, compiled: dict,
   return out
 
 
-def _compare_layouts(spec, planner, result, chip, cost_args) -> dict:
+def _compare_layouts(spec, planner, resident, compiled, chip, cost_args) -> tuple[dict, dict]:
   """Both sampler layouts: the copy's memory, the widest decode chunk's memory and estimated
-  time, and whether the step fits with it; `recommended` is the faster one that fits."""
-  out = {}
-  without_copy = result["resident_gib"] - result["sampling_copy_gib"]
-  learner_extra = max(p["extra_gib"] for n, p in result["programs"].items()
-                      if not n.startswith("sampler/"))
-  widest = lambda p: (p["work"]["capacity"], p["work"]["slots"], p["work"]["rows"])
+  time, and whether the step fits with it (besides what is `resident` and the learner
+  programs `compiled` so far); `recommended` is the faster one that fits. Also returns each
+  layout's compiled decode program, {layout: {name: result}}."""
+  out, decode_programs = {}, {}
+  learner_extra = max(p["extra_gib"] for p in compiled.values())
   for layout in partitioning.SAMPLING_LAYOUTS:
-    if layout == spec.sampling_layout:
-      decode = {n: p for n, p in result["programs"].items() if n.startswith("sampler/decode")}
-      name = max(decode, key=lambda n: widest(decode[n]))
-      decode = {name: decode[name]}
-      copy_gib = result["sampling_copy_gib"]
-    else:
-      listed, _, copy = planner.sampler_programs(layout, "bounding")
-      decode = {n: compile_program(p) for n, p in listed.items()
-                if n.startswith("sampler/decode")}
-      for name, p in decode.items():
-        cost = costs.program_cost(listed[name].work, spec.model,
-                                  _layout(listed[name].mesh, layout == "train"), **cost_args)
-        p.update(costs.cost_as_dict(cost, chip))
-      copy_gib = programs.device_gib(copy)
-    (name, program), = decode.items()
-    peak = without_copy + copy_gib + max(learner_extra, program["extra_gib"])
+    listed, _, copy = planner.sampler_programs(layout, "bounding")
+    (name, program), = [(n, p) for n, p in listed.items() if p.work["kind"] == "decode_rows"]
+    result = _compiled_with_cost(program, name, spec, layout, cost_args, chip)
+    decode_programs[layout] = {name: result}
+    copy_gib = programs.device_gib(copy)
+    peak = programs.device_gib(resident) + copy_gib + max(learner_extra, result["extra_gib"])
     out[layout] = {"copy_gib": copy_gib, "decode_program": name,
-                   "decode_extra_gib": program["extra_gib"],
-                   "decode_chunk_estimated_s": program["estimated_s"],
-                   "decode_bound": program["bound"], "peak_gib": peak,
+                   "decode_extra_gib": result["extra_gib"],
+                   "decode_chunk_estimated_s": result["estimated_s"],
+                   "decode_bound": result["bound"], "peak_gib": peak,
                    "fits": peak <= chip.hbm_gib}
   fitting = [layout for layout, v in out.items() if v["fits"]]
   out["recommended"] = min(fitting, key=lambda l: out[l]["decode_chunk_estimated_s"]) if (
       fitting) else None
-  return out
+  return out, decode_programs
 
 
 # Command line.
@@ -409,6 +474,9 @@ def _define_flags() -> None:
   flags.DEFINE_string("model", "qwen2.5-7b", f"one of {sorted(qwen2.PRESETS)}; with --config, "
                       "used when policy.checkpoint has no config.json")
   flags.DEFINE_string("hf_config", None, "an HF config.json instead of --model")
+  flags.DEFINE_string("sim_model", "qwen2.5-7b", "with --config and sim_user.backend=flax: the "
+                      "in-process simulator's preset, used when sim_user.checkpoint has no "
+                      "config.json")
   flags.DEFINE_integer("layers", None, "override the layer count (quick what-ifs)")
   flags.DEFINE_string("mesh", None, "mesh axes, e.g. data=1,fsdp=8,tensor=1 (default: the "
                       "config's, else data=1,fsdp=-1,tensor=1)")
@@ -432,9 +500,10 @@ def _define_flags() -> None:
   flags.DEFINE_string("sampling_dtype", "bfloat16", "the sampler's resident copy of the "
                       "weights (rollout.sampling_dtype); empty: it decodes from the training "
                       "weights")
-  flags.DEFINE_string("sampling_layout", "train", "that copy's layout "
-                      "(rollout.sampling_layout): train (fsdp-sharded) or decode (whole on "
-                      "every fsdp shard)")
+  flags.DEFINE_string("sampling_layout", "auto", "that copy's layout "
+                      "(rollout.sampling_layout): train (fsdp-sharded), decode (whole on "
+                      "every fsdp shard), or auto: with --topology the faster that fits, "
+                      "else train")
   flags.DEFINE_enum("row_programs", "bounding", list(ROW_PROGRAM_CHOICES), "compile every "
                     "row program a step can meet, or the largest of each kind")
   flags.DEFINE_float("device_memory_gib", None, "memory per device, for a verdict (default "
@@ -466,6 +535,7 @@ class Overrides:
   prefill_len: int | None = None
   dialogue_tokens: int | None = None
   row_programs: str = "bounding"
+  sim_model: str = "qwen2.5-7b"  # the in-process simulator's, where its checkpoint has none
 
   @classmethod
   def from_flags(cls, FLAGS) -> "Overrides":
@@ -514,7 +584,23 @@ def spec_from_config(config, overrides: Overrides = Overrides()) -> PlanSpec:
       dialogue_tokens=o.dialogue_tokens or 0,
       sampling=sampler_lib.SamplingParams(temperature=rollout.temperature, top_k=rollout.top_k,
                                           top_p=rollout.top_p),
-      temperature=rollout.temperature, row_programs=o.row_programs)
+      temperature=rollout.temperature, row_programs=o.row_programs,
+      **_simulator_from_config(config.sim_user, o))
+
+
+def _simulator_from_config(sim_user, o: Overrides) -> dict:
+  """PlanSpec fields of an in-process simulator (sim_user.backend=flax); none otherwise."""
+  if sim_user.backend != "flax":
+    return {}
+  path = os.path.join(sim_user.checkpoint, "config.json") if sim_user.checkpoint else ""
+  if path and os.path.exists(path):
+    with open(path) as f:
+      model = qwen2.Qwen2Config.from_hf_dict(json.load(f), source=path)
+  else:
+    model = preset(o.sim_model)
+  return {"simulator": model, "simulator_sampling": sampler_lib.SamplingParams(
+      max_new_tokens=sim_user.max_tokens, temperature=sim_user.temperature),
+          "simulator_turns": simulator_factory.make_rules(sim_user).max_agent_turns}
 
 
 def spec_from_flags(FLAGS) -> PlanSpec:
@@ -547,13 +633,15 @@ def _plan_from_flags():
   config = FLAGS["config"].value
   spec = (spec_from_flags(FLAGS) if config is None else
           spec_from_config(config, Overrides.from_flags(FLAGS)))
-  devices, chip = None, None
+  devices = chip = host_devices = None
   if FLAGS.topology:
     if FLAGS.fake_devices:
       raise UserInputError("--topology and --fake_devices: choose one")
-    tpu_slice = topology.parse_accelerator_type(FLAGS.topology)
-    devices, chip = topology.slice_devices(tpu_slice), tpu_slice.generation
-  result = plan(spec, devices, chip)
+    accelerators = topology.parse_accelerator_type(FLAGS.topology)
+    devices, chip = topology.slice_devices(accelerators), accelerators.generation
+    if accelerators.hosts > 1:
+      host_devices = topology.slice_devices(topology.one_host(accelerators))
+  result = plan(spec, devices, chip, host_devices)
   if FLAGS.topology:
     result["topology"] = FLAGS.topology
   memory = FLAGS.device_memory_gib or (chip.hbm_gib if chip else None)
@@ -575,7 +663,7 @@ def _print(result: dict, spec: PlanSpec, memory_gib: float | None) -> None:
         + (f"{'est. s':>9}{'x calls':>9}  bound" if timed else "") + "  kernels")
   for name, r in result["programs"].items():
     times = (f"{r['estimated_s']:>9.4f}{r['calls']:>9.1f}  {r['bound']:<7}" if timed else "")
-    kernels = ",".join(r["kernels"]) or "-"
+    kernels = r.get("error") or ",".join(r["kernels"]) or "-"
     print(f"{name:<44}{r['argument_gib']:>7.2f}{r['temp_gib']:>7.2f}{r['extra_gib']:>10.2f}"
           f"{r['compile_s']:>10.1f}{times}  {kernels}")
   if "row_programs" in result:

@@ -1,10 +1,11 @@
-"""TPU lowering, in CI, without a TPU: a tiny model's whole PPO and GRPO steps compiled for a
-two-host v5p-16 slice by libtpu's compiler (deviceless, `models/topology.py`).
+"""TPU and GPU lowering, in CI, without a TPU or GPU: a tiny model's whole PPO and GRPO steps
+compiled for a two-host v5p-16 slice by libtpu's compiler, and a step for 8 H200s by the
+CUDA plugin's (deviceless, `models/topology.py`).
 
 A change that breaks TPU lowering (a sharding the TPU partitioner rejects, a
 Pallas kernel Mosaic cannot lower, a silent fallback from splash attention)
-fails here. Without libtpu (`pip install -e .[tpu]`) the module is skipped
-with that reason.
+fails here. Without libtpu (`pip install -e .[tpu]`) the TPU tests are skipped
+with that reason, and without the CUDA plugin (`.[gpu]`) the GPU test.
 """
 
 import dataclasses
@@ -13,14 +14,17 @@ import pytest
 
 from models import qwen2, topology
 from models.errors import UserInputError
+from rlver_jax import plan
 
-try:
-  V5P_16 = topology.parse_accelerator_type("v5p-16")
-  DEVICES = topology.slice_devices(V5P_16)
-except UserInputError as e:
-  pytest.skip(f"no TPU compiler: {e}", allow_module_level=True)
+V5P_16 = topology.parse_accelerator_type("v5p-16")
 
-from rlver_jax import plan  # noqa: E402
+
+@pytest.fixture(scope="module")
+def v5p_16():
+  try:
+    return topology.slice_devices(V5P_16)
+  except UserInputError as e:
+    pytest.skip(f"no TPU compiler: {e}")
 
 # Splash serves uncached passes longer than attention.EINSUM_MAX_SCORES allows einsum for;
 # heads of 128, as every Qwen2.5 size has, for the paged decode kernel.
@@ -40,14 +44,14 @@ def _has(kernels, prefix):
 
 
 @pytest.fixture(scope="module")
-def ppo_step():
+def ppo_step(v5p_16):
   """The PPO step with a KL penalty and gradient accumulation: every learner program, the
   weight refresh and every row program a step of this shape can meet."""
   spec = plan.PlanSpec(model=TINY, model_name="tiny", mesh_axes={"data": 1, "fsdp": -1,
                                                                   "tensor": 1},
                        micro_batch=8, seq_len=1024, grad_accum=2, critic=True, reference=True,
                        dialogues=16, cache_len=512, prefill_len=64, row_programs="all")
-  return plan.plan(spec, DEVICES, V5P_16.generation)
+  return plan.plan(spec, v5p_16, V5P_16.generation)
 
 
 def test_ppo_step_compiles_for_a_two_host_tpu_slice(ppo_step):
@@ -94,27 +98,33 @@ def test_ppo_step_compiles_for_a_two_host_tpu_slice(ppo_step):
                                                         rel=0.05)
 
 
-def test_grpo_step_compiles_with_one_update_program():
-  spec = plan.PlanSpec(model=TINY, model_name="tiny", mesh_axes={"data": 2, "fsdp": 4,
+def test_grpo_step_compiles_with_one_update_program(v5p_16):
+  # v6e-16: four hosts of 2x2 chips, host 0 holding device ids 0, 1, 4 and 5; its sampler
+  # programs compile for one host's slice (`topology.one_host`).
+  v6e_16 = topology.parse_accelerator_type("v6e-16")
+  spec = plan.PlanSpec(model=TINY, model_name="tiny", mesh_axes={"data": 2, "fsdp": 8,
                                                                   "tensor": 1},
-                       micro_batch=8, seq_len=1024, critic=False, cache_len=512,
+                       micro_batch=16, seq_len=1024, critic=False, cache_len=512,
                        prefill_len=64)
-  result = plan.plan(spec, DEVICES, V5P_16.generation)
+  result = plan.plan(spec, topology.slice_devices(v6e_16), v6e_16.generation,
+                     topology.slice_devices(topology.one_host(v6e_16)))
+  assert result["device_kind"] == "TPU v6 lite" and result["hosts"] == 4
   assert set(result["programs"]) >= {"policy/update", "sampler/refresh_weights"}
   assert not [n for n in result["programs"] if n.startswith(("critic/", "reference/"))]
   kernels = _kernels(result, "policy/update")
   assert _has(kernels, SPLASH_FORWARD) and all(_has(kernels, k) for k in SPLASH_BACKWARD)
   # Bounding row programs only: the widest decode chunk and prefill at full capacity.
   assert result["row_programs"]["compiled"] == 2 < result["row_programs"]["possible"]
-  # data=2 over 2 hosts: each host's sampler mesh keeps fsdp=4.
+  # data=2, fsdp=8 over 4 hosts: each host's sampler mesh keeps fsdp=4.
   assert result["sampler_mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
 
 
-def test_accelerator_types_name_their_slices():
+def test_accelerator_types_name_their_slices(v5p_16):
   cases = {"v4-8": ("v4", (2, 2, 1), 1), "v4-32": ("v4", (2, 2, 4), 4),
            "v5p-16": ("v5p", (2, 2, 2), 2), "v5p-64": ("v5p", (2, 4, 4), 8),
            "v5litepod-16": ("v5e", (4, 4), 4), "v6e-8": ("v6e", (2, 4), 1),
-           "v6e-16": ("v6e", (4, 4), 4), "v6e-64": ("v6e", (8, 8), 16)}
+           "v6e-16": ("v6e", (4, 4), 4), "v6e-64": ("v6e", (8, 8), 16),
+           "h200-8": ("h200", (8,), 1), "h100-16": ("h100", (16,), 2)}
   for name, (generation, shape, hosts) in cases.items():
     tpu_slice = topology.parse_accelerator_type(name)
     assert (tpu_slice.generation.name, tpu_slice.shape, tpu_slice.hosts) == (
@@ -122,12 +132,12 @@ def test_accelerator_types_name_their_slices():
   devices = topology.slice_devices(topology.parse_accelerator_type("v6e-16"))
   assert len(devices) == 16 and devices[0].device_kind == "TPU v6 lite"
   assert len({d.process_index for d in devices}) == 4
-  for bad in ("v5p-12", "v7x-8", "tpu-8", "v6e-3"):
+  for bad in ("v5p-12", "v7x-8", "tpu-8", "v6e-3", "h200-12", "a100-8"):
     with pytest.raises(UserInputError, match="--topology="):
       topology.parse_accelerator_type(bad)
 
 
-def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path):
+def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path, v5p_16):
   # configs/ppo.py as shipped, with a tiny checkpoint's config.json for the model, a shorter
   # dialogue and a KL penalty: the accumulation programs of its grad_accum=4 are there.
   import json
@@ -145,8 +155,48 @@ def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path):
   assert (spec.model.num_layers, spec.micro_batch, spec.grad_accum, spec.seq_len) == (1, 8, 4,
                                                                                        1024)
   assert spec.critic and spec.reference and spec.sampling_layout == "train"
-  result = plan.plan(dataclasses.replace(spec, cache_len=512, prefill_len=64), DEVICES,
+  result = plan.plan(dataclasses.replace(spec, cache_len=512, prefill_len=64), v5p_16,
                      V5P_16.generation)
   assert {"policy/gradients", "policy/accumulate_gradients", "policy/apply_gradients",
           "reference/logprobs"} <= set(result["programs"])
   assert result["programs"]["policy/gradients"]["calls"] == 4
+
+
+def test_an_in_process_simulator_joins_the_plan(v5p_16):
+  # sim_user.backend=flax: the simulator's generate programs run on each host's devices
+  # beside the sampler, and its bf16 weights stay resident.
+  from configs import grpo
+  config = grpo.get_config()
+  config.sim_user.backend = "flax"
+  config.rollout.max_dialogue_tokens = 1000
+  spec = plan.spec_from_config(config)
+  spec = dataclasses.replace(spec, model=TINY, simulator=TINY, simulator_prompt_tokens=300,
+                             simulator_sampling=dataclasses.replace(
+                                 spec.simulator_sampling, max_new_tokens=64),
+                             cache_len=512, prefill_len=64)
+  assert spec.simulator_turns == 9 and not spec.critic  # rlver_train's 9 replies; GRPO
+  result = plan.plan(spec, v5p_16, V5P_16.generation)
+  simulator = {n: p for n, p in result["programs"].items() if n.startswith("sim_user/")}
+  assert sorted(n.split("[")[0] for n in simulator) == ["sim_user/decode", "sim_user/prefill"]
+  # 128 dialogues over 2 hosts: 64 prompts at once, 512 tokens of prefill, 64 new tokens.
+  assert "sim_user/prefill[b=64,t=512,c=1024]" in simulator
+  assert all(p["compile_s"] > 0 and p["calls"] == 2 * 9 for p in simulator.values())
+  assert result["estimate"]["rollout_s"] > sum(
+      p["estimated_s"] * p["calls"] for p in simulator.values())
+
+
+def test_a_step_compiles_for_eight_h200s_with_cudnn_attention():
+  try:
+    h200 = topology.parse_accelerator_type("h200-8")
+    devices = topology.slice_devices(h200)
+  except UserInputError as e:
+    pytest.skip(f"no GPU compiler: {e}")
+  spec = plan.PlanSpec(model=TINY, model_name="tiny", mesh_axes={"data": 1, "fsdp": -1,
+                                                                  "tensor": 1},
+                       micro_batch=8, seq_len=1024, cache_len=512, prefill_len=64)
+  result = plan.plan(spec, devices, h200.generation)
+  assert result["platform"] == "gpu" and result["device_kind"] == "NVIDIA H200 141GB HBM3e"
+  for name in ("critic/values", "policy/update", "critic/update"):
+    assert _has(_kernels(result, name), "__cudnn$fmha"), (name, _kernels(result, name))
+  assert all(p["compile_s"] > 0 for p in result["programs"].values())
+  assert result["fits"] and result["hbm_gib"] == 141.0
