@@ -13,7 +13,6 @@ import math
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import partitioning
@@ -59,5 +58,5 @@ def device_gib(tree) -> float:
   """Per-device GiB of a pytree of sharded abstract arrays."""
   total = 0
   for x in jax.tree.leaves(tree):
-    total += math.prod(x.sharding.shard_shape(x.shape)) * jnp.dtype(x.dtype).itemsize
+    total += math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize  # keys too
   return total / GIB

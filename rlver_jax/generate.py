@@ -119,7 +119,8 @@ def _request_ids(line: str, formatter: ChatFormatter, vocab_size: int) -> list[i
 
 def load(args) -> policy_lib.Policy:
   stops = [name.strip() for name in args.stop.split(",") if name.strip()]
-  return builder.generation_policy(args.checkpoint, args.dtype, partitioning.parse_mesh(args.mesh), stops,
+  return builder.generation_policy(args.checkpoint, args.dtype,
+                                   partitioning.parse_mesh(args.mesh), stops,
                                    require_chat_template=args.chat)
 
 

@@ -278,7 +278,8 @@ class Hosts:
       self.local_mesh = train_mesh
       return
     host_axes = partitioning.per_host_axes(mesh_axes, self.count)
-    per_host = [partitioning.make_mesh(host_axes, [d for d in jax.devices() if d.process_index == p])
+    per_host = [partitioning.make_mesh(host_axes,
+                                       [d for d in jax.devices() if d.process_index == p])
                 for p in range(self.count)]
     self.local_mesh = per_host[self.index]
     # All devices, one slice per host laid out as that host's local mesh: a sharding

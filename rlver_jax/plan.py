@@ -78,9 +78,10 @@ GIB = programs.GIB
 ROW_PROGRAM_CHOICES = ("bounding", "all")
 
 
-@dataclasses.dataclass(frozen=True)
-class PlanSpec:
-  """What one step runs, from flags or a recipe (`spec_from_config`).
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PlanSpec(step.StepShape):
+  """What one step runs, from flags or a recipe (`spec_from_config`): the learner programs'
+  shapes (`rl.step.StepShape`), and the models, mesh, sampler and rollout around them.
 
   `dialogues` is the step's dialogue count over all hosts (the rollout rows);
   `cache_len` the slots a dialogue's cache row grows to; `prefill_len` the most
@@ -90,12 +91,6 @@ class PlanSpec:
   model: qwen2.Qwen2Config
   model_name: str
   mesh_axes: dict
-  micro_batch: int
-  seq_len: int
-  grad_accum: int = 1
-  minibatches: int = 1
-  critic: bool = True
-  reference: bool = False
   dtype: str = "bfloat16"
   param_dtype: str = "float32"
   remat: str = "full"
@@ -239,16 +234,13 @@ class _Planner:
     if spec.reference:  # frozen, no remat (builder.training_models)
       self.reference = learner.Learner.abstract(
           _abstract_model(qwen2.Qwen2, spec, self.mesh, "none"), mesh=self.mesh)
-    self.shape = step.StepShape(micro_batch=spec.micro_batch, seq_len=spec.seq_len,
-                                grad_accum=spec.grad_accum, minibatches=spec.minibatches,
-                                critic=spec.critic, reference=spec.reference)
 
   @property
   def rows_per_host(self) -> int:
     return -(-self.spec.dialogues // self.hosts)
 
   def learner_programs(self) -> dict[str, Program]:
-    return step.learner_programs(self.policy, self.critic, self.reference, self.shape,
+    return step.learner_programs(self.policy, self.critic, self.reference, self.spec,
                                  self.spec.temperature)
 
   def sampling_weights(self, layout: str):
