@@ -255,7 +255,7 @@ def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(checkpoi
                      advantages_bt=np.ones((rows, width - 1), np.float32))
   for _ in range(2):
     learner.update([batch], learning_rate=1e-3)
-  assert learner._update._cache_size() == 1  # the second update reuses the first's compile
+  assert learner.programs.update._cache_size() == 1  # the second update reuses the first's compile
 
 
 # The policy's system prompts.
