@@ -76,6 +76,10 @@ class SamplingParams:
     if not 0 < self.top_p <= 1:
       raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
+  def static(self) -> dict:
+    """The static arguments of the decode programs these settings compile."""
+    return {"greedy": self.temperature == 0, "top_k": self.top_k, "use_top_p": self.top_p < 1.0}
+
 
 @dataclasses.dataclass
 class Completions:
@@ -481,7 +485,7 @@ class Sampler:
           self._put(budget_b, ("batch",)), key, self._put(row_ids_b, ("batch",)),
           jnp.float32(params.temperature or 1.0),
           jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens,
-          greedy=params.temperature == 0, top_k=params.top_k, use_top_p=params.top_p < 1.0)
+          **params.static())
 
     out_tokens, out_logprobs, lengths, stopped, held = jax.device_get(
         (out_tokens, out_logprobs, lengths, stopped, held))
@@ -640,8 +644,7 @@ class Sampler:
           self._put(pad(offsets), ("batch",)),
           jnp.float32(params.temperature or 1.0), jnp.float32(params.top_p),
           jnp.int32(stop_after_finished or width + 1), steps=steps,
-          slots=self._attended_slots(rb, needed), greedy=params.temperature == 0,
-          top_k=params.top_k, use_top_p=params.top_p < 1.0)
+          slots=self._attended_slots(rb, needed), **params.static())
       tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run, rb.cache, rb.logits_bv = out
     tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run = jax.device_get(
         (tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run))
@@ -764,8 +767,7 @@ def generate_programs(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, r
           decode, (params, cache, on_rows((batch, config.vocab_size), jnp.float32),
                    on_rows((batch,), jnp.bool_), on_rows((batch,), jnp.int32), key,
                    on_rows((batch,), jnp.int32), scalar(jnp.float32), scalar(jnp.float32)),
-          mesh, {"max_new_tokens": sampling.max_new_tokens, "greedy": sampling.temperature == 0,
-                 "top_k": sampling.top_k, "use_top_p": sampling.top_p < 1.0}, resident=params,
+          mesh, {"max_new_tokens": sampling.max_new_tokens, **sampling.static()}, resident=params,
           work={**work, "kind": "decode_rows", "tokens": sampling.max_new_tokens})}
 
 
@@ -793,8 +795,7 @@ def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: R
   per_row = lambda: on_rows((width,), jnp.int32)  # budgets, row ids, offsets
   args = (params, cache, logits_bv, index_k, rows_k, per_row(), key_k, per_row(), per_row(),
           scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32))
-  static = {"steps": steps, "slots": call.slots, "greedy": sampling.temperature == 0,
-            "top_k": sampling.top_k, "use_top_p": sampling.top_p < 1.0}
+  static = {"steps": steps, "slots": call.slots, **sampling.static()}
   return programs.Program(decode, args, mesh, static, resident=params,
                           work={**work, "tokens": steps})
 

@@ -56,6 +56,7 @@ if __name__ == "__main__" and int(_flag_from_argv(sys.argv, "fake_devices") or 0
                              f"device_count={_flag_from_argv(sys.argv, 'fake_devices')}").strip()
 
 import dataclasses  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
 import re  # noqa: E402
@@ -243,11 +244,18 @@ class _Planner:
     return step.learner_programs(self.policy, self.critic, self.reference, self.spec,
                                  self.spec.temperature)
 
+  @functools.cached_property
+  def policy_on_host(self):
+    """The policy's graphdef and its weights placed on host 0's mesh (`Hosts.local_params`),
+    abstract: what the sampler's copy is made from."""
+    graphdef, state = nnx.split(self.policy_model)
+    return graphdef, programs.abstract(state, partitioning.state_shardings(state,
+                                                                            self.local_mesh))
+
   def sampling_weights(self, layout: str):
     """(graphdef, abstract weights, layers as a list, the copy or None) the sampler decodes
     from on host 0's mesh in `layout`."""
-    graphdef, state = nnx.split(self.policy_model)
-    local = programs.abstract(state, partitioning.state_shardings(state, self.local_mesh))
+    graphdef, local = self.policy_on_host
     if not self.spec.sampling_dtype:
       return graphdef, local, False, None
     copy = sampler_lib.WeightCopy(graphdef, local, jnp.dtype(self.spec.sampling_dtype), layout,
@@ -261,9 +269,8 @@ class _Planner:
     graphdef, weights, as_list, copy = self.sampling_weights(layout)
     out = {}
     if copy is not None:
-      _, state = nnx.split(self.policy_model)
-      local = programs.abstract(state, partitioning.state_shardings(state, self.local_mesh))
-      out["sampler/refresh_weights"] = copy.refresh_program(self.local_mesh, local)
+      out["sampler/refresh_weights"] = copy.refresh_program(self.local_mesh,
+                                                            self.policy_on_host[1])
     shards = math.prod(self.local_mesh.shape[a]
                        for a in partitioning.mesh_axes("batch", self.local_mesh))
     calls = sampler_lib.row_calls(self.rows_per_host, spec.cache_len, spec.prefill_len, shards)
