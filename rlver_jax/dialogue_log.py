@@ -1,12 +1,12 @@
 """What the policy says: sampled whole dialogues during training, and its replies per intention.
 
-Every `log_dialogues_every` steps (config; 0 = never) a few of the step's
-dialogues, both sides with per-turn emotion, the simulator's planning notes
-and the reward, go to W/dialogues.jsonl and to TensorBoard's text tab, so a
-reward hack is visible the step it starts. At the end of a run the policy's
-three most frequent replies for each hidden intention over its last steps are
-written to W/replies_by_intention.md and .json, and the paths of everything the
-run wrote are printed, however the run ended.
+At step 1 and every `log_dialogues_every` steps (config; 0 = never) a few of
+the step's dialogues, both sides with per-turn emotion, the simulator's
+planning notes and the reward, go to W/dialogues.jsonl and to TensorBoard's
+text tab, so a reward hack is visible the step it starts. At the end of a run
+the policy's three most frequent replies for each hidden intention over its
+last steps are written to W/replies_by_intention.md and .json, and the paths of
+everything the run wrote are printed, however the run ended.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Sequence
 
 from absl import logging
 
+from rlver_jax.metrics import read_appended_jsonl
 from sim_user.simulator import Dialogue
 
 DIALOGUES = "dialogues.jsonl"
@@ -67,36 +68,69 @@ def _pick(dialogues: Sequence[Dialogue], count: int) -> list[Dialogue]:
 
 
 class DialogueLog:
-  """Sampled dialogues to W/dialogues.jsonl and TensorBoard; recent replies per intention."""
+  """Sampled dialogues to W/dialogues.jsonl and TensorBoard; recent replies per intention.
 
-  def __init__(self, workdir: str, every: int = 0, count: int = 2, primary: bool = True):
-    """`primary`: this process writes files (one process of a multi-host run does)."""
+  On resume the records past the restored step (and a last line torn by a
+  kill) are dropped, so a redone step appears once.
+  """
+
+  def __init__(self, workdir: str, every: int = 0, count: int = 2, primary: bool = True,
+               resume_step: int = 0):
+    """`primary`: this process writes files (one process of a multi-host run does).
+    `resume_step`: the step the run restored (0 from scratch)."""
     self.workdir, self.every, self.count, self.primary = workdir, every, count, primary
     self.path = os.path.join(workdir, DIALOGUES)
     self._recent: collections.deque = collections.deque(maxlen=RECENT_STEPS)
     self._tb = None
-    if primary and every > 0:
+    if not primary:
+      return
+    kept = self._drop_records_after(resume_step)
+    if every > 0:
       try:
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(workdir)
       except ImportError:
         logging.warning("tensorboardX not installed: dialogues only in %s", self.path)
+        return
+      # MetricsWriter, made before this log, rewrote W's event files without the text tab.
+      self._add_text(kept)
+
+  def _drop_records_after(self, resume_step: int) -> list[dict]:
+    """Drops W/dialogues.jsonl's records past `resume_step` (the file too when none is left);
+    returns those kept."""
+    if not os.path.exists(self.path):
+      return []
+    kept = [r for r in read_appended_jsonl(self.path) if r["step"] <= resume_step]
+    if not kept:
+      os.remove(self.path)
+      return []
+    with open(self.path, "w") as f:
+      f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in kept)
+    return kept
+
+  def _add_text(self, records: Sequence[dict]) -> None:
+    """The records to TensorBoard's text tab, numbered within their step."""
+    index_in_step = collections.Counter()
+    for record in records:
+      step = record["step"]
+      self._tb.add_text(f"dialogues/{index_in_step[step]}", dialogue_markdown(record), step)
+      index_in_step[step] += 1
+    self._tb.flush()
 
   def observe(self, step: int, dialogues: Sequence[Dialogue]) -> None:
     """Remembers this step's replies; on logging steps writes a few dialogues."""
     self._recent.append([(d.profile.intention, d.emotion, m["content"])
                          for d in dialogues if not d.dropped
                          for m in d.history if m["role"] == "assistant"])
-    if not self.primary or not self.every or step % self.every:
+    # Step 1 too: a run shorter than `every` steps still shows what its policy says.
+    if not self.primary or not self.every or (step % self.every and step != 1):
       return
     records = [dialogue_record(step, d) for d in _pick(dialogues, self.count)]
     with open(self.path, "a") as f:
       for record in records:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
     if self._tb is not None:
-      for k, record in enumerate(records):
-        self._tb.add_text(f"dialogues/{k}", dialogue_markdown(record), step)
-      self._tb.flush()
+      self._add_text(records)
 
   def replies_by_intention(self, top: int = 3) -> dict:
     """intention -> the `top` most frequent replies of the recent steps with their shares,

@@ -11,6 +11,7 @@ from models.errors import UserInputError
 
 TB_EVENTS_PREFIX = "events.out.tfevents"
 CURVE_KEYS = ("reward/mean", "emotion/final_mean", "success_rate")
+PERCENT_KEYS = ("success_rate", "failure_rate")  # in percent (rl/rollout.py), drawn with a %
 # Per-step simulator counters drawn together in one panel; a step without one had none.
 SIMULATOR_FAILURE_KEYS = ("dialogues/simulator_failed", "dialogues/dropped")
 SIMULATOR_RETRY_PREFIX = "sim/retries"  # sim/retries, sim/retries_succeeded, ...
@@ -135,12 +136,20 @@ def plot_curves(metrics_path: str, out_path: str, keys=CURVE_KEYS) -> str | None
   records = read_appended_jsonl(metrics_path)
   if not records or not _is_primary():
     return None
-  import matplotlib
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt
+  run_name = os.path.basename(os.path.dirname(os.path.abspath(metrics_path))) or "run"
+  curve_figure(records, run_name, keys).savefig(out_path, dpi=110)
+  return out_path
+
+
+def curve_figure(records: list[dict], run_name: str, keys=CURVE_KEYS):
+  """The matplotlib Figure that `plot_curves` saves: one panel per `curve_panels` entry."""
+  # A Figure made without pyplot draws with Agg and is freed with its last reference, so a
+  # run that redraws its curve every few steps neither needs a display nor keeps old figures.
+  from matplotlib.figure import Figure
+  from matplotlib.ticker import MaxNLocator, PercentFormatter
   panels = curve_panels(records, keys)
-  fig, axes = plt.subplots(len(panels), 1, figsize=(7, 2.6 * len(panels)), sharex=True,
-                           squeeze=False)
+  fig = Figure(figsize=(7, 2.6 * len(panels)))
+  axes = fig.subplots(len(panels), 1, sharex=True, squeeze=False)
   for ax, (title, lines) in zip(axes[:, 0], panels):
     for label, (steps, values) in lines.items():
       ax.plot(steps, values, marker=".", linewidth=1, label=label if len(lines) > 1 else None)
@@ -151,12 +160,13 @@ def plot_curves(metrics_path: str, out_path: str, keys=CURVE_KEYS) -> str | None
       ax.plot(steps, smooth, linewidth=2, label=f"mean of last {window}")
     if ax.get_legend_handles_labels()[0]:
       ax.legend(loc="best", fontsize=8)
+    if title in PERCENT_KEYS:
+      ax.yaxis.set_major_formatter(PercentFormatter(xmax=100))
     ax.set_ylabel(title if len(lines) == 1 else "")
     ax.set_title(title if len(lines) > 1 else "", fontsize=9)
     ax.grid(alpha=0.3)
+  axes[-1, 0].xaxis.set_major_locator(MaxNLocator(integer=True))  # shared by every panel
   axes[-1, 0].set_xlabel("step")
-  fig.suptitle(os.path.basename(os.path.dirname(os.path.abspath(metrics_path))) or "run")
+  fig.suptitle(run_name)
   fig.tight_layout()
-  fig.savefig(out_path, dpi=110)
-  plt.close(fig)
-  return out_path
+  return fig

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 from typing import Iterator
@@ -13,6 +14,8 @@ def iter_jsonl(path: str, error: type[Exception] = ValueError) -> Iterator[tuple
     raise error(f"{path}: no such file")
   with open(path, "rb") as f:  # decoded line by line, so a bad byte names its line
     for line_no, raw in enumerate(f, 1):
+      if line_no == 1:  # editors on Windows save UTF-8 with a byte order mark first
+        raw = raw.removeprefix(codecs.BOM_UTF8)
       try:
         line = raw.decode("utf-8")
       except UnicodeDecodeError as e:

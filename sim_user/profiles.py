@@ -6,6 +6,8 @@ import dataclasses
 import os
 from typing import Iterator
 
+from absl import logging
+
 from models.errors import UserInputError
 from sim_user.jsonl import iter_jsonl
 
@@ -29,6 +31,9 @@ EMOTIONAL = ("be_praised", "be_listened_to", "deep_empathy", "not_my_fault")
 
 _REQUIRED_TEXT = ("id", "player", "scene", "main_cha", "task")
 _OPTIONAL_TEXT = ("first_talk", "topic")
+# Every field a profile may carry (the authors' train and test files carry only these);
+# any other is likely a misspelling, warned about once per file.
+KNOWN_FIELDS = _REQUIRED_TEXT + _OPTIONAL_TEXT + ("cha_group",)
 
 
 class ProfileError(UserInputError):
@@ -99,8 +104,19 @@ def parse_profile(obj, path: str = "<profile>", line_no: int = 0) -> Profile:
 
 
 def iter_profiles(path: str) -> Iterator[Profile]:
+  """The file's profiles; fields outside KNOWN_FIELDS are warned about once, at its end."""
+  unknown_first_line: dict[str, int] = {}
   for line_no, obj in iter_jsonl(path, ProfileError):
-    yield parse_profile(obj, path, line_no)
+    profile = parse_profile(obj, path, line_no)
+    for field in obj:
+      if field not in KNOWN_FIELDS:
+        unknown_first_line.setdefault(field, line_no)
+    yield profile
+  if unknown_first_line:
+    logging.warning("%s: ignoring unknown field(s) %s; known fields: %s", path,
+                    ", ".join(f"{field!r} (line {line_no})"
+                              for field, line_no in unknown_first_line.items()),
+                    ", ".join(KNOWN_FIELDS))
 
 
 def load_profiles(path: str) -> list[Profile]:

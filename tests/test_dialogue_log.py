@@ -29,8 +29,8 @@ def test_dialogue_log_writes_dialogues_tensorboard_text_and_the_replies_table(tm
     user.respond(dialogues, replies)
     log.observe(step, dialogues)
   records = [json.loads(line) for line in open(tmp_path / "dialogues.jsonl")]
-  assert [r["step"] for r in records] == [2, 2]  # only on logging steps, two dialogues each
-  best, worst = records
+  assert [r["step"] for r in records] == [1, 1, 2, 2]  # step 1 and logging steps, two each
+  best, worst = records[2:]
   assert best["final_emotion"] >= worst["final_emotion"]  # best and worst of the step
   for record in records:
     user_turn = record["turns"][2]
@@ -65,6 +65,51 @@ def test_only_the_primary_process_writes_dialogues(tmp_path):
   user.respond(dialogues, ["Tell me more.", "Tell me more."])
   log.observe(1, dialogues)
   assert log.write_table() is None and not os.listdir(tmp_path)
+
+
+def read_logged_steps(workdir):
+  return [json.loads(line)["step"] for line in open(workdir / "dialogues.jsonl")]
+
+
+def observe_steps(log, steps):
+  user = make_user()
+  for step in steps:
+    dialogues = user.start(DEMO[:2])
+    user.respond(dialogues, ["Tell me more.", "Tell me more."])
+    log.observe(step, dialogues)
+
+
+def test_a_run_shorter_than_the_logging_interval_logs_its_first_step(tmp_path):
+  observe_steps(dialogue_log.DialogueLog(str(tmp_path), every=20, count=1), [1, 2, 3])
+  assert read_logged_steps(tmp_path) == [1]
+  observe_steps(dialogue_log.DialogueLog(str(tmp_path / "never"), every=0), [1, 2])
+  assert not os.path.exists(tmp_path / "never")
+
+
+def test_a_resumed_run_logs_a_redone_step_once(tmp_path):
+  observe_steps(dialogue_log.DialogueLog(str(tmp_path), every=2, count=1), [1, 2, 3, 4])
+  with open(tmp_path / "dialogues.jsonl", "a") as f:
+    f.write('{"step": 5, "turns": [')  # torn by the kill
+  log = dialogue_log.DialogueLog(str(tmp_path), every=2, count=1, resume_step=2)
+  assert read_logged_steps(tmp_path) == [1, 2]
+  observe_steps(log, [3, 4])
+  assert read_logged_steps(tmp_path) == [1, 2, 4]
+  dialogue_log.DialogueLog(str(tmp_path), every=2, count=1)  # from scratch: nothing kept
+  assert not os.path.exists(tmp_path / "dialogues.jsonl")
+
+
+def test_reward_curve_has_whole_steps_and_percent_rates():
+  records = [{"step": step, "reward/mean": 0.1 * step, "success_rate": 25.0 * step,
+              "failure_rate": 100.0 - 25.0 * step} for step in range(1, 4)]
+  fig = metrics_lib.curve_figure(records, "run", keys=metrics_lib.CURVE_KEYS + ("failure_rate",))
+  fig.draw_without_rendering()  # sets the tick labels
+  axes = {ax.get_ylabel(): ax for ax in fig.axes}
+  steps = [label.get_text() for label in fig.axes[-1].get_xticklabels()]
+  assert steps and all(text.isdigit() for text in steps), steps
+  for key in ("success_rate", "failure_rate"):
+    rates = [label.get_text() for label in axes[key].get_yticklabels()]
+    assert rates and all(text.endswith("%") for text in rates), rates
+  assert "%" not in "".join(label.get_text() for label in axes["reward/mean"].get_yticklabels())
 
 
 def test_reward_curve_has_a_panel_of_final_emotion_per_intention(tmp_path):

@@ -55,6 +55,37 @@ def test_unknown_intention_is_an_error_listing_the_known_ones(tmp_path):
   assert all(key in message for key in profiles.INTENTIONS)
 
 
+def test_profiles_saved_with_a_utf8_byte_order_mark_load(tmp_path):
+  path = tmp_path / "profiles.jsonl"
+  path.write_bytes("\ufeff".encode() + json.dumps(GOOD_PROFILE).encode() + b"\n")
+  assert [p.id for p in profiles.load_profiles(str(path))] == ["a"]
+
+
+def test_unknown_profile_fields_are_warned_about_once_naming_their_first_line(tmp_path, caplog):
+  path = tmp_path / "profiles.jsonl"
+  path.write_text("".join(json.dumps(obj) + "\n" for obj in [
+      {**GOOD_PROFILE, "fisrt_talk": "hi"}, {**GOOD_PROFILE, "id": "b"},
+      {**GOOD_PROFILE, "id": "c", "fisrt_talk": "hi", "mood": "low"}]))
+  caplog.set_level("WARNING")
+  profiles.load_profiles(str(path))
+  warnings = [m for m in caplog.messages if "unknown field" in m]
+  assert warnings == [f"{path}: ignoring unknown field(s) 'fisrt_talk' (line 1), 'mood' (line 3); "
+                      "known fields: " + ", ".join(profiles.KNOWN_FIELDS)]
+
+
+def test_demo_profiles_have_no_unknown_fields(caplog):
+  caplog.set_level("WARNING")
+  profiles.load_profiles(profiles.DEMO_PROFILES)
+  assert not [m for m in caplog.messages if "unknown field" in m]
+
+
+def test_released_profiles_have_no_unknown_fields(caplog, shared_data):
+  caplog.set_level("WARNING")
+  for name in ("train_profile.jsonl", "test_profile.jsonl"):
+    profiles.load_profiles(shared_data("rlver", name))
+  assert not [m for m in caplog.messages if "unknown field" in m]
+
+
 # Safetensors.
 
 def write_weights(path):

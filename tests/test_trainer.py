@@ -72,7 +72,7 @@ def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, capl
   # What the policy says: whole dialogues of step 2, its replies per hidden intention, and
   # where everything is, printed at the end.
   logged = [json.loads(line) for line in open(tmp_path / "dialogues.jsonl")]
-  assert [r["step"] for r in logged] == [2, 2] and all(r["turns"] for r in logged)
+  assert [r["step"] for r in logged] == [1, 1, 2, 2] and all(r["turns"] for r in logged)
   intentions = {p.intention for p in profiles_lib.load_profiles(profiles_lib.DEMO_PROFILES)}
   per_intention = {k.split("/")[-1] for k in records[-1] if k.startswith("emotion/final/")}
   assert len(per_intention) >= 2 and per_intention <= intentions  # 4 profiles a step
