@@ -19,14 +19,14 @@ def get_config() -> ml_collections.ConfigDict:
   c.retention.task = "math"  # math | ifeval
   c.retention.data = ""  # a local JSONL file
   c.retention.tfds_name = ""  # or a prepared TFDS dataset (no download)
-  c.retention.tfds_data_dir = ""
-  c.retention.split = "test"
-  c.retention.question_field = "question"
-  c.retention.answer_field = "answer"
-  c.retention.limit = 0  # 0: all items
-  c.retention.batch_size = 16
-  c.retention.max_new_tokens = 2048
-  c.retention.temperature = 0.0
-  c.retention.system_prompt = ""
+  c.retention.tfds_data_dir = ""  # with tfds_name: the directory it was prepared in
+  c.retention.split = "test"  # with tfds_name: the split to score
+  c.retention.question_field = "question"  # with tfds_name: the feature holding the question
+  c.retention.answer_field = "answer"  # with tfds_name: the feature holding the answer
+  c.retention.limit = 0  # the first N items only (0: all)
+  c.retention.batch_size = 16  # items answered side by side
+  c.retention.max_new_tokens = 2048  # the policy's tokens per answer
+  c.retention.temperature = 0.0  # 0: greedy
+  c.retention.system_prompt = ""  # the policy's system prompt; empty: none
   c.retention.strip_thinking = True  # score thinking models on their answer only
   return c

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
 import logging as logging_std
 import os
-from typing import Callable
+import re
+import sys
+from typing import Callable, Iterator
 
 from absl import app, flags, logging
+import ml_collections
 from ml_collections import config_flags
+from ml_collections.config_flags import config_path
+from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from models.errors import RunStopped, UserInputError
 
@@ -22,14 +28,110 @@ class _QuietLibraries(logging_std.Filter):
         part in record.pathname for part in ("orbax", "jax/_src", "etils"))
 
 
+FIELDS_COMMAND = "python -m rlver_jax.fields"
+_CONFIG_FLAG = re.compile(r"^-{1,2}config(=|$)")
+_OVERRIDE_FLAG = re.compile(r"^-{1,2}(no)?config\.([^=]+)")
+# A user who types the key itself where its variable's name goes is told the difference.
+_SUGGESTION_NOTES = {
+    "sim_user.api_key_env": "it names the environment variable that holds the key, not the key"}
+
+
+def _config_flag_index(argv: list[str]) -> int:
+  """Where the last --config is on the command line; -1 if it is not."""
+  return max((i for i, arg in enumerate(argv) if _CONFIG_FLAG.match(arg)), default=-1)
+
+
+def _chosen_config(argv: list[str], default_file: str) -> str:
+  """The --config value on the command line (FILE[:variant]), else the default's path."""
+  i = _config_flag_index(argv)
+  if i < 0:
+    return os.path.relpath(os.path.join(CONFIGS_DIR, default_file))
+  return argv[i].split("=", 1)[1] if "=" in argv[i] else argv[i + 1] if i + 1 < len(argv) else ""
+
+
+def dotted_fields(config: ml_collections.ConfigDict,
+                  prefix: str = "") -> Iterator[tuple[str, object]]:
+  """(dotted name, value) of every field and section of `config`, sections before their fields."""
+  for name, value in config.items():
+    yield prefix + name, value
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from dotted_fields(value, f"{prefix}{name}.")
+
+
+def check_override_names(argv: list[str], default_file: str) -> None:
+  """Raises UserInputError for a --config.FIELD override that names no field of the chosen
+  config, or that comes before --config. The message names the field, never the value:
+  the value may be a secret typed into the wrong field."""
+  argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)
+  chosen = _chosen_config(argv, default_file)
+  config_file = chosen.split(":", 1)[0]
+  if not os.path.isfile(config_file):
+    raise UserInputError(f"--config: no config file {config_file!r}")
+  try:
+    config = ConfigFileFlagParser("config").parse(chosen)
+  except (TypeError, ValueError):  # a variant get_config refuses: --config's parse reports it
+    return
+  names = [name for name, _ in dotted_fields(config)]
+  config_index = _config_flag_index(argv)
+  for i, arg in enumerate(argv):
+    override = _OVERRIDE_FLAG.match(arg)
+    if override is None:
+      continue
+    field = override.group(2)
+    if i < config_index:
+      raise UserInputError(f"--config.{field} comes before --config; put --config first")
+    if field in names:
+      continue
+    suggestion = difflib.get_close_matches(field, names, n=1)
+    if not suggestion:
+      raise UserInputError(f"no field {field} in {chosen}; list its fields with "
+                           f"{FIELDS_COMMAND} --config={chosen}")
+    note = f" ({_SUGGESTION_NOTES[suggestion[0]]})" if suggestion[0] in _SUGGESTION_NOTES else ""
+    raise UserInputError(f"no field {field} in {chosen}; did you mean {suggestion[0]}?{note}")
+
+
+def define_config_flag(default_file: str, help_text: str) -> flags.FlagHolder:
+  """Defines --config (default configs/`default_file`) for app.run(..., flags_parser=parse_flags).
+
+  Defining it loads the config when the command line names none, and loading defines a
+  flag per --config.FIELD override: a FIELD that is not there fails in three chained
+  tracebacks that repeat the value. So the names are checked first, in one line.
+  """
+  try:
+    check_override_names(sys.argv, default_file)
+  except UserInputError as e:
+    raise SystemExit(f"error: {e}") from None
+  config_flag = config_flags.DEFINE_config_file(
+      "config", os.path.join(CONFIGS_DIR, default_file), help_text, lock_config=True)
+  # --help lists the main module's flags only; this one is defined here.
+  flags.FLAGS.register_key_flag_for_module(sys.argv[0], flags.FLAGS["config"])
+  return config_flag
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """app.run's flags_parser: a flag error in one line, without absl's usage hint; a bad
+  --config.FIELD value named by its field and expected type, not by the value (a secret?)."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.IllegalFlagValueError as e:
+    bad_flag = re.match(r"flag --(config\.[^=]+)=", str(e))
+    if bad_flag is None:
+      raise SystemExit(f"error: {e}") from None
+    field = bad_flag.group(1).split(".", 1)[1]
+    expected = config_path.get_type(field, flags.FLAGS["config"].value).__name__
+    raise SystemExit(f"error: --config.{field} must be of type {expected}") from None
+  except flags.Error as e:
+    raise SystemExit(f"error: {e}") from None
+
+
 def run(default_file: str, help_text: str, fn: Callable) -> None:
   """Defines --config (default configs/`default_file`) and runs `fn(config)` under app.run.
 
   Call it only from a `__main__` block: the flag is defined here, so modules
   that are merely imported define none and can live side by side.
   """
-  config_flag = config_flags.DEFINE_config_file(
-      "config", os.path.join(CONFIGS_DIR, default_file), help_text, lock_config=True)
+  config_flag = define_config_flag(
+      default_file, f"{help_text}; {FIELDS_COMMAND} --config=FILE[:variant] lists its fields")
 
   def main(argv):
     if len(argv) > 1:
@@ -43,4 +145,4 @@ def run(default_file: str, help_text: str, fn: Callable) -> None:
       raise SystemExit(f"error: {e}") from None
 
   flags.FLAGS.alsologtostderr = True
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)
