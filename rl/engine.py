@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import sys
 import time
 from typing import Callable, Iterable, Sequence
 
@@ -52,8 +53,8 @@ def run(sampler: Sampler, agent: Agent, user: SimulatedUser, dialogues: Sequence
     engine.run()
     return engine.sim_seconds
   finally:
-    if pool is not None:
-      pool.shutdown(wait=True, cancel_futures=True)
+    if pool is not None:  # a rollout given up (a stop signal, an error) waits for no reply
+      pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
 
 
 def rows_to_decode(decoding: Iterable[int], shard: Callable[[int], int], shards: int) -> list[int]:

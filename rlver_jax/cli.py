@@ -6,6 +6,7 @@ import difflib
 import logging as logging_std
 import os
 import re
+import signal
 import sys
 from typing import Callable, Iterator
 
@@ -16,6 +17,7 @@ from ml_collections.config_flags import config_path
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from models.errors import RunStopped, UserInputError
+from rlver_jax import preemption, run_config
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -138,11 +140,17 @@ def run(default_file: str, help_text: str, fn: Callable) -> None:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_QuietLibraries())
     config = config_flag.value
-    logging.info("config:\n%s", config)
+    logging.info("config:\n%s", run_config.printable(config))
     try:
       fn(config)
+    except preemption.Preempted as e:  # "run me again", told apart from a failure
+      print(f"preempted: {e}", file=sys.stderr, flush=True)
+      raise SystemExit(preemption.PREEMPTED_EXIT_CODE) from None
     except (UserInputError, RunStopped) as e:  # one line; our bugs keep their traceback
       raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (that one saves: Preempted)
+      print("interrupted (SIGINT)", file=sys.stderr, flush=True)
+      raise SystemExit(128 + signal.SIGINT) from None
 
   flags.FLAGS.alsologtostderr = True
   app.run(main, flags_parser=parse_flags)

@@ -14,7 +14,7 @@ from rl import losses
 from rl import rollout as rollout_lib
 from rl import system_prompts
 from rlver_jax import simulator_factory
-from sim_user import dynamics, templates
+from sim_user import dynamics, redact, templates
 
 ALGORITHMS = ("ppo", "grpo")
 REWARDS = ("final", "turn")
@@ -83,6 +83,8 @@ def _check_sim_user(p: _Problems) -> None:
   p.require("sim_user.parse_retries", _at_least(0), "must be >= 0")
   p.require("sim_user.max_agent_turns", _at_least(0),
             "agent replies per dialogue; must be >= 0 (0: the rule set's own limit)")
+  if not redact.is_env_var_name(p.value("sim_user.api_key_env")):
+    p.lines.append(redact.api_key_env_error())  # the value is likely the key: never echoed
   if p.value("sim_user.backend") == "openai":
     p.given("sim_user.base_url", "the simulator's OpenAI-compatible endpoint, e.g. "
             "--config.sim_user.base_url=http://localhost:8000/v1")
@@ -107,6 +109,10 @@ def check_train_config(config) -> None:
   """Raises UserInputError naming every field of a training config that cannot train."""
   p = _Problems(config)
   p.given("workdir", "--config.workdir=DIR")
+  if config.policy.tiny_init and config.policy.checkpoint:
+    p.lines.append(f"policy.checkpoint={config.policy.checkpoint!r} with policy.tiny_init=True "
+                   "(the demo's own tiny policy): pass --config.policy.tiny_init=False to train "
+                   "that checkpoint")
   if not config.policy.tiny_init:
     p.given("policy.checkpoint", "--config.policy.checkpoint=/path/to/Qwen2.5-7B-Instruct (an "
             "HF directory with config.json, safetensors and tokenizer files)")

@@ -15,7 +15,7 @@ import collections
 import json
 import os
 import sys
-from typing import Sequence
+from typing import Collection, Sequence
 
 from absl import logging
 
@@ -81,6 +81,7 @@ class DialogueLog:
     self.workdir, self.every, self.count, self.primary = workdir, every, count, primary
     self.path = os.path.join(workdir, DIALOGUES)
     self._recent: collections.deque = collections.deque(maxlen=RECENT_STEPS)
+    self.wrote = False  # whether this run logged any dialogue
     self._tb = None
     if not primary:
       return
@@ -126,6 +127,7 @@ class DialogueLog:
     if not self.primary or not self.every or (step % self.every and step != 1):
       return
     records = [dialogue_record(step, d) for d in _pick(dialogues, self.count)]
+    self.wrote = True
     with open(self.path, "a") as f:
       for record in records:
         f.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -171,7 +173,10 @@ class DialogueLog:
 
 
 def _ending(step: int, steps: int) -> str:
+  from rlver_jax.preemption import Preempted
   error = sys.exc_info()[1]
+  if isinstance(error, Preempted):
+    return f"preempted ({error.signal_name}) at step {step}/{steps}; resume with the same command"
   if isinstance(error, KeyboardInterrupt):
     return f"interrupted at step {step}/{steps}"
   if error is not None:
@@ -179,21 +184,28 @@ def _ending(step: int, steps: int) -> str:
   return f"done: {step}/{steps} steps" if step >= steps else f"stopped at step {step}/{steps}"
 
 
+# (name in the summary, path in the workdir)
+OUTPUTS = (("reward curve", "reward_curve.png"), ("metrics", "metrics.jsonl"),
+           ("dialogues", DIALOGUES), ("checkpoints", "checkpoints"), ("export", "export"))
+
+
 def report_outputs(workdir: str, step: int, steps: int, log: DialogueLog | None = None,
-                   out=None) -> str:
+                   written: Collection[str] | None = None, out=None) -> str:
   """Writes the replies table and prints where the run's outputs are; returns the text.
 
+  `written`: the names (of OUTPUTS) this run wrote; the dialogues count when
+  `log` wrote some. None lists every output present in the workdir.
   Call from a `finally:` so that interrupted and failed runs report too.
   """
   table = log.write_table() if log is not None else None
   if log is not None:
     log.close()
-  places = [("reward curve", "reward_curve.png"), ("metrics", "metrics.jsonl"),
-            ("dialogues", DIALOGUES), ("checkpoints", "checkpoints"), ("export", "export")]
+  if written is not None:
+    written = set(written) | ({"dialogues"} if log is not None and log.wrote else set())
   lines = [f"run {_ending(step, steps)}; outputs in {os.path.abspath(workdir)}:"]
-  for name, relative in places:
+  for name, relative in OUTPUTS:
     path = os.path.join(workdir, relative)
-    if os.path.exists(path):
+    if os.path.exists(path) and (written is None or name in written):
       lines.append(f"  {name + ':':15s}{os.path.abspath(path)}")
   if table:
     lines.append(f"  {'replies table:':15s}{os.path.abspath(table)}")

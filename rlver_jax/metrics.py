@@ -22,8 +22,9 @@ class MetricsWriter:
   """Appends step records to W/metrics.jsonl and TensorBoard events in W.
 
   On resume the records past the restored step (and a last line torn by a
-  kill) are dropped, and the TensorBoard events are rewritten from the kept
-  records, so a redone step appears once in both.
+  kill) are dropped, a step recorded twice keeps its last record, and the
+  TensorBoard events are rewritten from the kept records, so a redone step
+  appears once in both.
   """
 
   def __init__(self, workdir: str, resume_step: int = 0, tensorboard: bool = True):
@@ -33,7 +34,10 @@ class MetricsWriter:
     self._tb = None
     if not self._primary:
       return
-    kept = [r for r in read_appended_jsonl(self.path) if r["step"] <= resume_step]
+    # One record per step, the last written (a step redone after a kill, or written twice
+    # by two runs on one workdir before the workdir lock), in step order.
+    kept = sorted({r["step"]: r for r in read_appended_jsonl(self.path)
+                   if r["step"] <= resume_step}.values(), key=lambda r: r["step"])
     with open(self.path, "w") as f:
       f.writelines(json.dumps(record) + "\n" for record in kept)
     if tensorboard:

@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 
+import ml_collections
 from absl import logging
 
 from models.errors import UserInputError
+from sim_user import redact
 
 CONFIG_FILE = "config.json"
 OVERRIDE_FLAG = "resume_mismatch_ok"
@@ -31,8 +33,27 @@ RESUMABLE_FIELDS = (
 
 
 def as_json(config) -> dict:
-  """A ConfigDict as the nested dict its JSON file holds."""
-  return json.loads(config.to_json_best_effort())
+  """A ConfigDict as the nested dict its JSON file holds, with secrets redacted (`redacted`)."""
+  return redacted(json.loads(config.to_json_best_effort()))
+
+
+def redacted(tree: dict) -> dict:
+  """`tree` as it may be printed or saved: credentials in URLs, keys and Bearer tokens in any
+  text field, and a `*_env` field that names no variable (a key pasted there) replaced."""
+  def clean(key: str, value):
+    if isinstance(value, dict):
+      return {k: clean(k, v) for k, v in value.items()}
+    if isinstance(value, str):
+      if key.endswith("_env") and value and not redact.is_env_var_name(value):
+        return redact.REDACTED
+      return redact.redact(value)
+    return value
+  return clean("", tree)
+
+
+def printable(config) -> str:
+  """The config as the start-up log shows it (YAML, as ml_collections prints it), redacted."""
+  return str(ml_collections.ConfigDict(as_json(config)))
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
@@ -65,7 +86,7 @@ def check_and_save(config, workdir: str, resuming: bool) -> None:
   current = flatten(tree)
   if resuming and os.path.exists(path):
     with open(path) as f:
-      saved = flatten(json.load(f))
+      saved = flatten(redacted(json.load(f)))  # as a run before redaction wrote it
     differing = differing_fields(saved, current)
     if differing:
       listing = "; ".join(f"{k}: {saved.get(k, '(absent)')!r} -> {current.get(k, '(absent)')!r}"

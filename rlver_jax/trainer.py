@@ -35,7 +35,8 @@ from rl import keys
 from rl import rollout as rollout_lib
 from rlver_jax import builder, config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import multihost, run_config, sharding, simulator_factory
+from rlver_jax import multihost, preemption, run_config, sharding, simulator_factory
+from rlver_jax import workdir as workdir_lib
 from sim_user import profiles as profiles_lib
 
 
@@ -110,6 +111,10 @@ def checkpoint_due(step: int, final_step: int, every: int, every_minutes: float,
           (every_minutes > 0 and seconds_since_save >= 60 * every_minutes))
 
 
+# Steps between redraws of W/reward_curve.png (also redrawn at every checkpoint and the end):
+# a few seconds of drawing against steps of seconds (the demo) to minutes (the recipes).
+PLOT_EVERY_STEPS = 5
+
 # The update metrics a step reports, each the mean over the step's finite updates.
 UPDATE_METRICS = ("kl", "approx_kl", "entropy", "clip_frac", "pg_clipfrac_lower", "pg_loss",
                   "value_loss", "value_clip_frac", "grad_norm")
@@ -120,7 +125,19 @@ class Trainer:
   def __init__(self, config):
     config_checks.check_train_config(config)
     self.config = config
-    os.makedirs(config.workdir, exist_ok=True)
+    sharding.maybe_initialize_distributed()
+    self.lock = workdir_lib.claim(config.workdir)  # before anything is written there
+    self.checkpoints = self.metrics = self.dialogue_log = None
+    self.signals = preemption.StopSignals()  # installed while `run` runs
+    self.outputs: set[str] = set()  # what this run wrote, for the summary at its end
+    try:
+      self._build()
+    except BaseException:
+      self.close()
+      raise
+
+  def _build(self) -> None:
+    config = self.config
     self.checkpoints = ocp.CheckpointManager(
         os.path.abspath(os.path.join(config.workdir, "checkpoints")),
         options=ocp.CheckpointManagerOptions(max_to_keep=config.checkpoint.keep,
@@ -128,14 +145,15 @@ class Trainer:
                                              cleanup_tmp_directories=True))
     run_config.check_and_save(config, config.workdir,
                               resuming=self.checkpoints.latest_step() is not None)
-    sharding.maybe_initialize_distributed()
     mesh = partitioning.make_mesh(dict(config.mesh))
     self.hosts = multihost.Hosts(mesh, dict(config.mesh))
     self.loss_cfg = builder.loss_config(config)
     self.rollout_cfg = builder.train_rollout_config(config)
     self.profiles = profiles_lib.load_profiles(config.data.train_profiles)
-    self.models = builder.training_models(config, self.loss_cfg, self.hosts)
+    # The simulator's health check comes before the policy's warm-up and loading: a dead
+    # simulator fails the run in seconds, not after minutes of preparing a policy.
     self.user = builder.simulated_user(config, self.hosts.local_mesh)
+    self.models = builder.training_models(config, self.loss_cfg, self.hosts)
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
         simulator_factory.describe(config.sim_user))
@@ -147,7 +165,25 @@ class Trainer:
     self._restore()
     self.metrics = metrics_lib.MetricsWriter(config.workdir, resume_step=self.step)
     self.dialogue_log = dialogue_log.DialogueLog(
-        config.workdir, every=config.log_dialogues_every, primary=self.hosts.primary)
+        config.workdir, every=config.log_dialogues_every, primary=self.hosts.primary,
+        resume_step=self.step)
+
+  def close(self) -> None:
+    """Waits for the checkpoint being written, closes the writers and frees the workdir.
+
+    Also after a failure: an open checkpoint manager left to the interpreter's
+    shutdown fails there with a traceback of its own.
+    """
+    if self.checkpoints is not None:
+      self.checkpoints.wait_until_finished()
+      self.checkpoints.close()
+      self.checkpoints = None
+    for writer in (self.metrics, self.dialogue_log):
+      if writer is not None:
+        writer.close()
+    if self.lock is not None:
+      self.lock.release()
+      self.lock = None
 
   # Checkpoints.
 
@@ -164,15 +200,27 @@ class Trainer:
     # Returns once the arrays are copied off the device; the files are written in the background.
     self.checkpoints.save(self.step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
     self._last_save = time.monotonic()
+    self.outputs.add("checkpoints")
 
-  def _checkpoint_due(self) -> bool:
+  def _decide(self) -> tuple[bool, str | None]:
+    """(save now?, the signal that asks the run to stop, if any), the same on every host: the
+    first host's clock decides the time-based saves; a signal on any host stops them all."""
     c = self.config.checkpoint
     due = checkpoint_due(self.step, self.config.steps, c.every, c.every_minutes,
                          seconds_since_save=time.monotonic() - self._last_save)
-    if jax.process_count() > 1:  # clocks differ: every host follows the first one's decision
-      from jax.experimental import multihost_utils
-      due = bool(multihost_utils.broadcast_one_to_all(np.asarray(due)))
-    return due
+    hosts = multihost.allgather_json([due, self.signals.received])
+    return hosts[0][0], next((received for _, received in hosts if received), None)
+
+  def _stop(self, signal_name: str) -> None:
+    """Saves the last finished step (unless saved) and raises Preempted."""
+    if self.step and self.checkpoints.latest_step() != self.step:
+      self._save()
+    self.checkpoints.wait_until_finished()
+    saved = (f"step {self.step}'s checkpoint is saved" if self.step else
+             "no step had finished, nothing to save")
+    raise preemption.Preempted(
+        signal_name, f"stopped at step {self.step}/{self.config.steps}; {saved}. Run the "
+        f"same command again to resume (exit status {preemption.PREEMPTED_EXIT_CODE})")
 
   def _restore(self) -> None:
     latest = self.checkpoints.latest_step()
@@ -197,13 +245,23 @@ class Trainer:
     config = self.config
     step = self.step + 1
     # batch_size counts profiles (verl's batch size counts prompts); each is sampled n times.
+    position = self.order.position
     chosen = [self.profiles[i] for i in self.order.take(config.batch_size)]
     share = self.hosts.share(len(chosen))  # this host's dialogues
     sim_counts_before = dict(self.user.metrics)
     self.models.sampler.update_weights(self.hosts.local_params(self.models.policy.params))
-    rollout = rollout_lib.collect(self.models.sampler, self.models.formatter, self.user,
-                                  chosen[share.start:share.stop], self.rollout_cfg,
-                                  keys.rollout_step(config.seed, step), first_profile=share.start)
+    try:
+      with self.signals.abortable():  # a signal drops the rollout: the update would be long
+        rollout = rollout_lib.collect(
+            self.models.sampler, self.models.formatter, self.user,
+            chosen[share.start:share.stop], self.rollout_cfg, keys.rollout_step(config.seed, step),
+            first_profile=share.start)
+    except preemption.StopRequested:
+      rollout = None
+    signal_name = self.signals.agreed()  # every host, after its rollout
+    if signal_name:
+      self.order.position = position  # the resumed run draws this step's profiles again
+      self._stop(signal_name)
     self.dialogue_log.observe(step, rollout.dialogues)
     sim_events = {key: count - sim_counts_before.get(key, 0)  # this step's simulator events
                   for key, count in self.user.metrics.items()}
@@ -277,12 +335,22 @@ class Trainer:
     return self.hosts.reduce_step_metrics(out, rollout)
 
   def run(self) -> None:
+    """Trains to `steps`; on SIGTERM/SIGINT saves and raises Preempted (see preemption.py)."""
     try:
-      self._run()
+      with self.signals:
+        self._run()
     finally:  # also when stopped or interrupted: where the plot, metrics, dialogues, export are
       if self.hosts.primary:
         dialogue_log.report_outputs(self.config.workdir, self.step, self.config.steps,
-                                    self.dialogue_log)
+                                    self.dialogue_log, written=self.outputs)
+      self.close()
+
+  def _plot(self) -> str | None:
+    plot = metrics_lib.plot_curves(self.metrics.path,
+                                   os.path.join(self.config.workdir, "reward_curve.png"))
+    if plot:
+      self.outputs.add("reward curve")
+    return plot
 
   def _run(self) -> None:
     config = self.config
@@ -297,10 +365,14 @@ class Trainer:
         step_metrics = self.run_step()
         step_metrics["time/step"] = time.perf_counter() - step_start
         self.metrics.write(self.step, step_metrics)
-        if self._checkpoint_due():
+        self.outputs.add("metrics")
+        save, signal_name = self._decide()
+        if save:
           self._save()
-          metrics_lib.plot_curves(self.metrics.path,
-                                  os.path.join(config.workdir, "reward_curve.png"))
+        if signal_name:
+          self._stop(signal_name)
+        if save or self.step % PLOT_EVERY_STEPS == 0:
+          self._plot()
         sim_failed = step_metrics["dialogues/simulator_failed"] + step_metrics["dialogues/dropped"]
         bar.update(1)
         bar.set_postfix(reward=f"{step_metrics['reward/mean']:.2f}",
@@ -315,14 +387,12 @@ class Trainer:
     finally:  # a run that stops still leaves its last checkpoint whole
       bar.close()
       self.checkpoints.wait_until_finished()
-      self.metrics.close()
-    plot = metrics_lib.plot_curves(self.metrics.path,
-                                   os.path.join(config.workdir, "reward_curve.png"))
+    plot = self._plot()
     if config.checkpoint.export_at_end:
       export = os.path.join(config.workdir, "export")
       qwen2.save_pretrained(self.models.policy.model(), export)
       if jax.process_index() == 0:
         self.models.tokenizer.save_pretrained(export)
+      self.outputs.add("export")
       logging.info("policy exported to %s", export)
     logging.info("done: %d steps, metrics %s, plot %s", self.step, self.metrics.path, plot)
-    self.checkpoints.close()

@@ -28,6 +28,22 @@ _PATTERNS = (
 )
 
 
+_ENV_VAR_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def is_env_var_name(text: str) -> bool:
+  """Whether `text` can name an environment variable (a key pasted in its place cannot)."""
+  return bool(_ENV_VAR_NAME.fullmatch(text))
+
+
+def api_key_env_error(field: str = "sim_user.api_key_env") -> str:
+  """The refusal of a value that is no variable name; it never repeats the value, which is
+  likely the key itself."""
+  return (f"{field} must name the environment variable that holds the API key (e.g. "
+          "OPENAI_API_KEY, the default: `export OPENAI_API_KEY=...`), not the key itself; its "
+          "value is not a variable name and is not shown here")
+
+
 def redact(text: str, secrets: Iterable[str | None] = ()) -> str:
   """`text` with every value in `secrets`, Bearer token, sk- key and URL password replaced."""
   for secret in secrets:

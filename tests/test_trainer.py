@@ -229,6 +229,16 @@ def test_resume_drops_a_torn_line_and_tensorboard_keeps_one_point_per_step(tmp_p
   assert sorted(_tensorboard_points(tmp_path)) == [("reward/mean", s) for s in (1, 2, 3, 4)]
 
 
+def test_a_resume_keeps_each_step_once_even_from_a_file_with_repeated_steps(tmp_path):
+  # As two runs on one workdir left it before the workdir lock: 13, 13, 14, 14.
+  (tmp_path / "metrics.jsonl").write_text("".join(
+      json.dumps({"step": step, "run": run}) + "\n" for step, run in
+      [(12, "a"), (13, "a"), (13, "b"), (14, "a"), (14, "b")]))
+  metrics_lib.MetricsWriter(str(tmp_path), resume_step=14, tensorboard=False).close()
+  assert [(r["step"], r["run"]) for r in read_metrics(tmp_path)] == [(12, "a"), (13, "b"),
+                                                                     (14, "b")]
+
+
 def test_a_corrupt_line_before_the_last_is_an_error_naming_it(tmp_path):
   (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"st\n{"step": 3}\n')
   with pytest.raises(UserInputError, match=r"metrics.jsonl:2: not a JSON record"):

@@ -36,7 +36,7 @@ from absl import logging
 
 from models.errors import UserInputError
 from sim_user.backends.base import BackendError, SimRequest, SimulatorUnavailable
-from sim_user.redact import redact
+from sim_user.redact import api_key_env_error, is_env_var_name, redact
 
 _RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 # A body holds more than the reply (JSON escapes take up to 6 bytes a
@@ -60,6 +60,8 @@ class OpenAIChatBackend:
     if scheme not in ("http", "https") or not urllib.parse.urlsplit(base_url).netloc:
       raise UserInputError(f"sim_user.base_url={redact(base_url)!r} is not an http(s) URL; "
                            "give the server's URL, e.g. http://localhost:8000/v1")
+    if not is_env_var_name(api_key_env):
+      raise UserInputError(api_key_env_error())
     if timeout_s <= 0:
       raise UserInputError(f"sim_user.timeout_s={timeout_s} must be > 0")
     if max_reply_chars <= 0:

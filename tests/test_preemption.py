@@ -1,0 +1,131 @@
+"""SIGTERM and SIGINT: the run saves its last finished step, exits with PREEMPTED_EXIT_CODE and one
+line, and the same command resumes with no finished step lost and none repeated; on one host
+and on two processes, in a rollout and in an update."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from rl import rollout as rollout_lib
+from rlver_jax import preemption, trainer
+from tests.test_multihost import launch, log_of, wait
+from tests.test_trainer import ROOT, read_metrics, small_demo
+
+NO_ROUTINE_SAVES = {"checkpoint.every": 0, "checkpoint.every_minutes": 0.0}  # saved at the end
+
+
+def _signal_self_in(monkeypatch, obj, name, signum, at_step, run):
+  """Sends `signum` to this process once, from the first call of `obj.name` in step `at_step`."""
+  real = getattr(obj, name)
+  sent = []
+
+  def with_signal(*args, **kwargs):
+    if run.step + 1 == at_step and not sent:
+      sent.append(signum)
+      os.kill(os.getpid(), signum)
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(obj, name, with_signal)
+
+
+def test_a_signal_in_a_rollout_drops_it_and_saves_the_step_before(tmp_path, monkeypatch):
+  config = small_demo(tmp_path, **NO_ROUTINE_SAVES)
+  run = trainer.Trainer(config)
+  _signal_self_in(monkeypatch, rollout_lib, "collect", signal.SIGINT, at_step=2, run=run)
+  with pytest.raises(preemption.Preempted, match=r"^SIGINT: stopped at step 1/3; step 1's "
+                     r"checkpoint is saved\. Run the same command again to resume"):
+    run.run()
+  assert [r["step"] for r in read_metrics(tmp_path)] == [1]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+  monkeypatch.undo()
+
+  resumed = trainer.Trainer(config)
+  assert resumed.step == 1
+  # Step 2's profiles were drawn by the dropped rollout; the resumed run draws them again.
+  assert resumed.order.position == config.batch_size
+  resumed.run()
+  assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_a_signal_in_an_update_finishes_the_step_and_saves_it(tmp_path, monkeypatch):
+  config = small_demo(tmp_path, **NO_ROUTINE_SAVES)
+  run = trainer.Trainer(config)
+  _signal_self_in(monkeypatch, run.models.policy, "update", signal.SIGTERM, at_step=2, run=run)
+  with pytest.raises(preemption.Preempted, match=r"^SIGTERM: stopped at step 2/3; step 2's "):
+    run.run()
+  assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+def _wait_for_steps(workdir, count, procs, timeout_s=600):
+  deadline = time.monotonic() + timeout_s
+  while len(read_metrics(workdir)) < count:
+    assert all(p.poll() is None for p in procs), "a training process ended early"
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.05)
+
+
+ARGS = [f"--config={ROOT}/configs/demo.py", "--config.steps=6", "--config.batch_size=4",
+        "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=0",
+        "--config.checkpoint.every_minutes=0", "--config.policy.tiny_warmup_steps=2"]
+
+
+def test_sigterm_mid_step_saves_exits_75_and_the_rerun_resumes(tmp_path):
+  (tmp_path / "export").mkdir(parents=True)  # a stale export of an earlier run
+  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  command = [sys.executable, "-m", "rlver_jax.main", *ARGS, "--config.mesh.fsdp=1",
+             f"--config.workdir={tmp_path}"]
+  first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+  try:
+    _wait_for_steps(tmp_path, 2, [first])
+    first.send_signal(signal.SIGTERM)  # in step 3: its rollout is dropped or its update finishes
+    out, err = first.communicate(timeout=300)
+  finally:
+    first.kill()
+  assert first.returncode == preemption.PREEMPTED_EXIT_CODE, err[-3000:]
+  before = read_metrics(tmp_path)
+  finished = len(before)
+  assert [r["step"] for r in before] == list(range(1, finished + 1)) and finished in (2, 3)
+  assert err.strip().splitlines()[-1] == (
+      f"preempted: SIGTERM: stopped at step {finished}/6; step {finished}'s checkpoint is saved. "
+      "Run the same command again to resume (exit status 75)")
+  assert "Traceback" not in err
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == [str(finished)]
+  assert f"run preempted (SIGTERM) at step {finished}/6" in out
+  assert "export:" not in out  # this run exported nothing
+
+  second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+  assert second.returncode == 0, second.stderr[-3000:]
+  assert f"at step {finished}" in second.stderr.split("resumed from")[1].splitlines()[0]
+  after = read_metrics(tmp_path)
+  assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
+  assert after[:finished] == before  # kept, not redone
+
+
+def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
+  workdir = str(tmp_path / "run")
+  procs = launch(workdir, 2, 1, *ARGS[1:], program=("rlver_jax.main", ARGS[0]))
+  try:
+    _wait_for_steps(workdir, 2, procs)
+    procs[1].send_signal(signal.SIGTERM)  # one host's notice stops both
+  finally:
+    codes = wait(procs)
+  logs = [log_of(workdir, pid) for pid in range(2)]
+  assert codes == [preemption.PREEMPTED_EXIT_CODE] * 2, logs[1][-3000:]
+  before = read_metrics(workdir)
+  finished = len(before)
+  assert os.listdir(os.path.join(workdir, "checkpoints")) == [str(finished)]
+  for log in logs:
+    assert f"preempted: SIGTERM: stopped at step {finished}/6" in log and "Traceback" not in log
+
+  resumed = launch(workdir, 2, 1, *ARGS[1:], program=("rlver_jax.main", ARGS[0]))
+  assert wait(resumed) == [0, 0], log_of(workdir, 0)[-3000:]
+  after = read_metrics(workdir)
+  assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
+  assert after[:finished] == before

@@ -1,0 +1,136 @@
+"""A run's workdir and secrets: one run per workdir, a stale lock taken over, a workdir that cannot
+be one refused in one line, keys and URL credentials in no output or file of a failing run."""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from configs import demo
+from models.errors import UserInputError
+from rlver_jax import config_checks, run_config, workdir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+HOLD_LOCK = ("import sys, time\nfrom rlver_jax import workdir\n"
+             "workdir.RunLock.acquire(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(120)\n")
+
+
+def main(workdir_path, *flags, env=ENV, timeout=300):
+  return subprocess.run([sys.executable, "-m", "rlver_jax.main", f"--config.workdir={workdir_path}",
+                         *flags], cwd=ROOT, env=env, capture_output=True, text=True,
+                        timeout=timeout)
+
+
+def hold_lock(path):
+  holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, text=True)
+  assert holder.stdout.readline().strip() == "held"
+  return holder
+
+
+def test_a_second_run_is_refused_naming_the_holder_and_a_dead_ones_lock_is_taken_over(
+    tmp_path, caplog):
+  holder = hold_lock(tmp_path)
+  try:
+    start = time.monotonic()
+    second = main(tmp_path, "--config.steps=1")
+    seconds = time.monotonic() - start
+  finally:
+    holder.send_signal(signal.SIGKILL)  # as `kill -9`: the lock file stays behind
+    holder.wait()
+  assert second.returncode == 1, second.stderr[-2000:]
+  last = second.stderr.strip().splitlines()[-1]
+  assert last.startswith(f"error: {tmp_path} is in use by another run (host "
+                         f"{socket.gethostname()}, PID {holder.pid}, started "), last
+  assert "Traceback" not in second.stderr
+  assert seconds < 60  # refused at start-up, before any model is built
+  assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "config.json").exists()
+
+  caplog.set_level("WARNING")
+  lock = workdir.RunLock.acquire(str(tmp_path))  # the dead holder's file is taken over
+  try:
+    assert any(f"PID {holder.pid}" in m and "taking over" in m for m in caplog.messages)
+    assert f'"pid": {os.getpid()}' in (tmp_path / workdir.LOCK_FILE).read_text()
+    with pytest.raises(UserInputError, match=f"PID {os.getpid()}"):
+      workdir.RunLock.acquire(str(tmp_path))  # one holder, even within one process
+  finally:
+    lock.release()
+  workdir.RunLock.acquire(str(tmp_path)).release()  # a released lock is free, with no warning
+  assert (tmp_path / workdir.LOCK_FILE).read_text() == ""
+
+
+def test_a_workdir_that_cannot_be_one_is_refused_in_one_line(tmp_path):
+  a_file = tmp_path / "file"
+  a_file.write_text("x")
+  with pytest.raises(UserInputError, match=f"workdir={a_file}: {a_file} is a file, not a dir"):
+    workdir.prepare(str(a_file))
+  with pytest.raises(UserInputError, match=f"{a_file} is a file, so no directory can be made"):
+    workdir.prepare(str(a_file / "run"))
+  with pytest.raises(UserInputError, match="cannot create it: No such file or directory"):
+    workdir.prepare("/proc/rlver_no_such_dir/run")  # a file system where nothing can be made
+  run = main(a_file / "run", "--config.steps=1")
+  assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
+  assert run.stderr.strip().splitlines()[-1] == (
+      f"error: --config.workdir={a_file}/run: {a_file} is a file, so no directory can be made "
+      "under it; choose another workdir")
+
+
+def test_a_checkpoint_under_the_tiny_demo_policy_is_refused(tmp_path):
+  config = demo.get_config()
+  config.workdir = str(tmp_path)
+  config.policy.checkpoint = "/ckpt/Qwen2.5-7B-Instruct"
+  with pytest.raises(UserInputError, match=r"policy.checkpoint='/ckpt/Qwen2.5-7B-Instruct' with "
+                     r"policy.tiny_init=True .*--config.policy.tiny_init=False"):
+    config_checks.check_train_config(config)
+
+
+PLANTED_KEY = "sk-PLANTEDKEY0123456789"
+PLANTED_PASSWORD = "PLANTEDPASSWORD987"
+
+
+def _planted(text):
+  return "PLANTED" in text
+
+
+def test_no_planted_secret_in_any_output_or_file_of_a_failing_run(tmp_path):
+  # A key given the documented way, and a password inside the URL, on a simulator that is down:
+  # the run fails at its health check, before the demo policy's warm-up.
+  down = f"http://user:{PLANTED_PASSWORD}@127.0.0.1:9/v1"
+  env = {**ENV, "RLVER_TEST_KEY": PLANTED_KEY}
+  first = main(tmp_path / "run", "--config.sim_user.backend=openai",
+               f"--config.sim_user.base_url={down}", "--config.sim_user.api_key_env=RLVER_TEST_KEY",
+               "--config.sim_user.http_retries=0", env=env)
+  assert first.returncode == 1
+  assert first.stderr.strip().splitlines()[-1].startswith(
+      "error: the simulator at http://[REDACTED]@127.0.0.1:9/v1/chat/completions did not answer")
+  assert "cannot schedule new futures" not in first.stderr and "Traceback" not in first.stderr
+  assert not (tmp_path / "run" / "init_policy").exists()  # the health check came first
+  assert (tmp_path / "run" / "config.json").exists()
+  # The key itself where its variable's name belongs: refused without being repeated.
+  second = main(tmp_path / "run2", f"--config.sim_user.api_key_env={PLANTED_KEY}", env=env)
+  assert second.returncode == 1
+  assert "sim_user.api_key_env must name the environment variable" in second.stderr
+  for run in (first, second):
+    assert not _planted(run.stdout + run.stderr)
+  for directory, _, files in os.walk(tmp_path):
+    for name in files:
+      with open(os.path.join(directory, name), "rb") as f:
+        assert b"PLANTED" not in f.read(), os.path.join(directory, name)
+
+
+def test_saved_and_printed_configs_are_redacted():
+  config = demo.get_config()
+  config.sim_user.base_url = f"https://me:{PLANTED_PASSWORD}@sim.example/v1"
+  config.sim_user.api_key_env = PLANTED_KEY
+  tree = run_config.as_json(config)
+  assert tree["sim_user"]["base_url"] == "https://[REDACTED]@sim.example/v1"
+  assert tree["sim_user"]["api_key_env"] == "[REDACTED]"
+  printed = run_config.printable(config)
+  assert "[REDACTED]@sim.example" in printed and not _planted(printed)
+  config.sim_user.api_key_env = "OPENAI_API_KEY"  # a variable's name is kept as it is
+  assert run_config.as_json(config)["sim_user"]["api_key_env"] == "OPENAI_API_KEY"
