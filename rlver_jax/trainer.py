@@ -369,10 +369,10 @@ class Trainer:
         save, signal_name = self._decide()
         if save:
           self._save()
+        if save or signal_name or self.step % PLOT_EVERY_STEPS == 0:
+          self._plot()
         if signal_name:
           self._stop(signal_name)
-        if save or self.step % PLOT_EVERY_STEPS == 0:
-          self._plot()
         sim_failed = step_metrics["dialogues/simulator_failed"] + step_metrics["dialogues/dropped"]
         bar.update(1)
         bar.set_postfix(reward=f"{step_metrics['reward/mean']:.2f}",

@@ -36,11 +36,13 @@ def test_a_signal_in_a_rollout_drops_it_and_saves_the_step_before(tmp_path, monk
   config = small_demo(tmp_path, **NO_ROUTINE_SAVES)
   run = trainer.Trainer(config)
   _signal_self_in(monkeypatch, rollout_lib, "collect", signal.SIGINT, at_step=2, run=run)
+  monkeypatch.setattr(trainer, "PLOT_EVERY_STEPS", 1)  # the curve is redrawn between checkpoints
   with pytest.raises(preemption.Preempted, match=r"^SIGINT: stopped at step 1/3; step 1's "
                      r"checkpoint is saved\. Run the same command again to resume"):
     run.run()
   assert [r["step"] for r in read_metrics(tmp_path)] == [1]
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]
+  assert (tmp_path / "reward_curve.png").exists()  # drawn after step 1, saved in step 2
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
   monkeypatch.undo()
 
@@ -60,6 +62,7 @@ def test_a_signal_in_an_update_finishes_the_step_and_saves_it(tmp_path, monkeypa
     run.run()
   assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+  assert (tmp_path / "reward_curve.png").exists()  # a stopped run's curve is up to date
 
 
 def _wait_for_steps(workdir, count, procs, timeout_s=600):

@@ -17,7 +17,7 @@ from rlver_jax import config_checks, run_config, workdir
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 HOLD_LOCK = ("import sys, time\nfrom rlver_jax import workdir\n"
-             "workdir.RunLock.acquire(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(120)\n")
+             "lock = workdir.RunLock.acquire(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(120)\n")
 
 
 def main(workdir_path, *flags, env=ENV, timeout=300):
