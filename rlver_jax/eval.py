@@ -36,6 +36,7 @@ from rl import rollout as rollout_lib
 from rlver_jax import builder, cli, config_checks, multihost, run_config, sharding
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import simulator_factory
+from rlver_jax import workdir as workdir_lib
 from sim_user import dynamics, profiles as profiles_lib
 from sim_user.simulator import Dialogue
 
@@ -133,7 +134,11 @@ def evaluate(config) -> dict:
   """
   config_checks.check_eval_config(config)
   sharding.maybe_initialize_distributed()
-  os.makedirs(config.workdir, exist_ok=True)
+  with workdir_lib.claim(config.workdir):  # one evaluation per workdir, as one training run
+    return _evaluate(config)
+
+
+def _evaluate(config) -> dict:
   primary = jax.process_index() == 0
   e = config.eval
   profiles = profiles_lib.load_profiles(config.eval.profiles)[:e.limit or None]

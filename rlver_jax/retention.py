@@ -31,6 +31,7 @@ from models.sampler import SamplingParams
 from models.errors import UserInputError
 from rl import keys
 from rlver_jax import builder, cli, multihost, sharding
+from rlver_jax import workdir as workdir_lib
 from sim_user.jsonl import iter_jsonl
 from sim_user.thinking import strip_thinking
 
@@ -227,8 +228,8 @@ def evaluate(config) -> dict:
                      "--config.retention.tfds_name=NAME with --config.retention.tfds_data_dir")
   if r.limit:
     items = items[:r.limit]
-  os.makedirs(config.workdir, exist_ok=True)
   sharding.maybe_initialize_distributed()
+  workdir_lib.prepare(config.workdir)
   mesh = multihost.local_mesh(dict(config.mesh))  # each host answers its share of the items
   policy = builder.inference_policy(config, mesh)
   params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature)

@@ -59,10 +59,20 @@ def _blocker(path: str) -> str:
 
 
 class RunLock:
-  """Holds W/run.lock for this process's lifetime, or refuses: `RunLock.acquire(W)`."""
+  """Holds W/run.lock until released (or this process ends), or refuses: `RunLock.acquire(W)`.
 
-  def __init__(self, path: str, handle):
+  A context manager too: `with workdir.claim(W): ...` releases it at the end.
+  """
+
+  def __init__(self, path: str, handle=None):
+    """`handle` None: a process that holds nothing itself (not process 0 of several)."""
     self.path, self._handle = path, handle
+
+  def __enter__(self) -> "RunLock":
+    return self
+
+  def __exit__(self, *exc_info) -> None:
+    self.release()
 
   @classmethod
   def acquire(cls, workdir: str) -> "RunLock":
@@ -94,7 +104,7 @@ class RunLock:
 
   def release(self) -> None:
     """Empties and unlocks the file (an empty lock file is a clean end)."""
-    if self._handle.closed:
+    if self._handle is None or self._handle.closed:
       return
     self._handle.seek(0)
     self._handle.truncate()
@@ -118,11 +128,11 @@ def _describe(holder: dict) -> str:
           f"{holder.get('started', '?')}")
 
 
-def claim(workdir: str, field: str = "workdir") -> RunLock | None:
+def claim(workdir: str, field: str = "workdir") -> RunLock:
   """`prepare`s the workdir and takes its lock on process 0, which speaks for every host.
 
   Every process calls it (a collective with several): a refusal ends every
-  host with process 0's message. Returns the lock on process 0, else None.
+  host with process 0's message. The other processes get a lock that holds nothing.
   """
   import jax
   from rlver_jax import multihost
@@ -136,4 +146,4 @@ def claim(workdir: str, field: str = "workdir") -> RunLock | None:
   refusal = multihost.allgather_json(refusal)[0]
   if refusal:
     raise UserInputError(refusal)
-  return lock
+  return lock or RunLock(os.path.join(path, LOCK_FILE))

@@ -134,3 +134,17 @@ def test_saved_and_printed_configs_are_redacted():
   assert "[REDACTED]@sim.example" in printed and not _planted(printed)
   config.sim_user.api_key_env = "OPENAI_API_KEY"  # a variable's name is kept as it is
   assert run_config.as_json(config)["sim_user"]["api_key_env"] == "OPENAI_API_KEY"
+
+
+def test_an_evaluation_takes_the_workdir_lock_too(tmp_path):
+  from configs import eval as eval_config
+  from rlver_jax import eval as eval_lib
+  config = eval_config.get_config()
+  config.workdir = str(tmp_path)
+  config.policy.checkpoint = str(tmp_path / "policy")  # refused before it is read
+  config.eval.profiles = str(tmp_path / "profiles.jsonl")
+  config.sim_user.backend = "scripted"
+  with workdir.RunLock.acquire(str(tmp_path)):
+    with pytest.raises(UserInputError, match=f"{tmp_path} is in use by another run .*PID "
+                       f"{os.getpid()}"):
+      eval_lib.evaluate(config)
