@@ -143,6 +143,10 @@ class Trainer:
         options=ocp.CheckpointManagerOptions(max_to_keep=config.checkpoint.keep,
                                              enable_async_checkpointing=True,
                                              cleanup_tmp_directories=True))
+    # The constructor cleans up temporary directories in a thread that orbax's close() does not
+    # wait for: a run that fails moments later would exit under it, and the thread dies with
+    # "cannot schedule new futures after interpreter shutdown" (half the time, on this VM).
+    getattr(self.checkpoints, "_maybe_await_cleanup_tmp_directory", lambda: None)()
     run_config.check_and_save(config, config.workdir,
                               resuming=self.checkpoints.latest_step() is not None)
     mesh = partitioning.make_mesh(dict(config.mesh))
