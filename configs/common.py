@@ -1,5 +1,7 @@
 """Config sections shared by the training and evaluation recipes."""
 
+import os
+
 import ml_collections
 
 
@@ -54,11 +56,19 @@ def sim_user_config(rules: str, on_failure: str = "") -> ml_collections.ConfigDi
   return c
 
 
+def compile_cache_dir() -> str:
+  """The default persistent compilation cache: per user, shared by the runs on one machine."""
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return os.path.join(base, "rlver_jax", "xla")
+
+
 def inference_config() -> ml_collections.ConfigDict:
   """The top of every evaluation config: where to write, which policy, which mesh."""
   c = ml_collections.ConfigDict()
   c.workdir = ""  # where the results are written (W)
   c.seed = 0  # random draws: the policy's sampling (none at temperature 0), a flax simulator's
+  # Compiled programs are kept here for the next run (on a pod: a path every host reads); "": off.
+  c.compile_cache_dir = compile_cache_dir()
   c.mesh = mesh_config()
   c.policy = policy_config()
   c.policy.remat = False  # no backward pass: nothing to recompute

@@ -113,6 +113,8 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
 
   c.max_skipped_updates = 10  # non-finite steps tolerated before the run stops
   c.resume_mismatch_ok = False  # resume even though the config differs from W/config.json
+  # Compiled programs are kept here for the next run (on a pod: a path every host reads); "": off.
+  c.compile_cache_dir = common.compile_cache_dir()
   return c
 
 

@@ -17,7 +17,7 @@ from ml_collections.config_flags import config_path
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from models.errors import RunStopped, UserInputError
-from rlver_jax import preemption, run_config
+from rlver_jax import compile_cache, preemption, run_config
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -141,6 +141,7 @@ def run(default_file: str, help_text: str, fn: Callable) -> None:
     logging.get_absl_handler().addFilter(_QuietLibraries())
     config = config_flag.value
     logging.info("config:\n%s", run_config.printable(config))
+    compile_cache.enable(config.get("compile_cache_dir", ""))
     try:
       fn(config)
     except preemption.Preempted as e:  # "run me again", told apart from a failure

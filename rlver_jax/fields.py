@@ -145,7 +145,7 @@ class _Resolver:
     if isinstance(value, ast.Name):
       return scope.get(value.id)
     called = self._called_function(source, value)
-    if called is not None:
+    if called is not None and _returns_config(called[1]):
       module, function = called
       # An argument built by a call, as in `planned_memory(base_config(arg))`, is the config
       # that this call returns.
@@ -181,6 +181,12 @@ def _dotted_field(target: ast.expr, scope: dict[str, str]) -> str | None:
   if not attributes or not isinstance(target, ast.Name) or target.id not in scope:
     return None
   return _join(scope[target.id], ".".join(attributes))
+
+
+def _returns_config(function: ast.FunctionDef) -> bool:
+  """Whether a configs function builds config (unannotated, or annotated a ConfigDict), as
+  opposed to computing a value such as `common.compile_cache_dir() -> str`."""
+  return function.returns is None or ast.unparse(function.returns).endswith("ConfigDict")
 
 
 def _is_config_dict(value: ast.expr) -> bool:

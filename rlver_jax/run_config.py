@@ -22,7 +22,7 @@ CONFIG_FILE = "config.json"
 OVERRIDE_FLAG = "resume_mismatch_ok"
 # Dotted field names; a name ending in "." covers its whole section.
 RESUMABLE_FIELDS = (
-    OVERRIDE_FLAG, "workdir", "steps", "log_every", "log_dialogues_every", "max_skipped_updates",
+    OVERRIDE_FLAG, "workdir", "compile_cache_dir", "steps", "log_every", "log_dialogues_every", "max_skipped_updates",
     "checkpoint.",
     "mesh.", "policy.remat",
     "sim_user.base_url", "sim_user.api_key_env", "sim_user.max_concurrency",

@@ -33,7 +33,7 @@ from rl import batch as batch_lib
 from rl import forward, learner
 from rl import keys
 from rl import rollout as rollout_lib
-from rlver_jax import builder, config_checks, dialogue_log
+from rlver_jax import builder, compile_cache, config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import multihost, preemption, run_config, sharding, simulator_factory
 from rlver_jax import workdir as workdir_lib
@@ -364,10 +364,13 @@ class Trainer:
     bar = tqdm(total=config.steps, initial=self.step, unit="step", desc="train",
                disable=not self.hosts.primary)
     try:
+      compile_seconds = compile_cache.compile_seconds()
       while self.step < config.steps:
         step_start = time.perf_counter()
+        compile_seconds.take()
         step_metrics = self.run_step()
         step_metrics["time/step"] = time.perf_counter() - step_start
+        step_metrics["time/compile_s"] = compile_seconds.take()  # this host's XLA compiles
         self.metrics.write(self.step, step_metrics)
         self.outputs.add("metrics")
         save, signal_name = self._decide()
