@@ -147,6 +147,10 @@ def run(default_file: str, help_text: str, fn: Callable) -> None:
     except preemption.Preempted as e:  # "run me again", told apart from a failure
       print(f"preempted: {e}", file=sys.stderr, flush=True)
       raise SystemExit(preemption.PREEMPTED_EXIT_CODE) from None
+    except preemption.StopRequested as e:
+      print(f"preempted: {e}: stopped while starting, before any step; nothing to save. Run "
+            "the same command again to start", file=sys.stderr, flush=True)
+      raise SystemExit(preemption.PREEMPTED_EXIT_CODE) from None
     except (UserInputError, RunStopped) as e:  # one line; our bugs keep their traceback
       raise SystemExit(f"error: {e}") from None
     except KeyboardInterrupt:  # Ctrl-C outside a training loop (that one saves: Preempted)

@@ -5,11 +5,12 @@
       --config.policy.checkpoint=DIR --config.rl.kl_coef=0.01   # any field can be overridden
 """
 
-from rlver_jax import cli, multihost, trainer
+from rlver_jax import cli, multihost, preemption, trainer
 
 
 def train(config) -> None:
-  trainer.Trainer(config).run()
+  with preemption.STOP_SIGNALS:  # a signal during start-up stops it too (before any step)
+    trainer.Trainer(config).run()
 
 
 if __name__ == "__main__":

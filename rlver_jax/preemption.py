@@ -10,6 +10,8 @@ stops all), the last finished step is checkpointed, and the run exits with
 PREEMPTED_EXIT_CODE and one line, so a supervisor can tell "preempted, run me
 again" (the same command resumes) from "failed" (1) and "a host was lost"
 (multihost.LOST_HOST_EXIT_CODE). A second signal ends the process at once.
+A signal while the trainer starts (loading, the demo's warm-up) stops it there
+with the same exit status: nothing was trained, so nothing is saved.
 """
 
 from __future__ import annotations
@@ -42,26 +44,33 @@ class StopRequested(BaseException):
 
 
 class StopSignals:
-  """While installed (`with StopSignals() as s`), SIGTERM and SIGINT ask the run to stop.
+  """While installed (`with STOP_SIGNALS:`), SIGTERM and SIGINT ask the run to stop.
 
   The first signal is recorded in `received` (its name), and raises
   StopRequested if it lands inside `abortable()`; a second one exits at once.
+  Installing nests: the outermost `with` installs the handlers and, leaving,
+  restores the previous ones and forgets the signal.
   """
 
   def __init__(self):
     self.received: str | None = None
     self._abortable_depth = 0
+    self._installed_depth = 0
     self._previous: dict = {}
 
   def __enter__(self) -> "StopSignals":
-    if threading.current_thread() is threading.main_thread():  # where Python runs handlers
+    self._installed_depth += 1
+    if self._installed_depth == 1 and threading.current_thread() is threading.main_thread():
       self._previous = {sig: signal.signal(sig, self._handle) for sig in SIGNALS}
     return self
 
   def __exit__(self, *exc_info) -> None:
+    self._installed_depth -= 1
+    if self._installed_depth:
+      return
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
-    self._previous = {}
+    self._previous, self.received = {}, None
 
   def _handle(self, signum, frame) -> None:
     name = signal.Signals(signum).name
@@ -90,3 +99,9 @@ class StopSignals:
     collective with several processes; call it at the same point on each)."""
     from rlver_jax import multihost
     return next((name for name in multihost.allgather_json(self.received) if name), None)
+
+
+# The process's one set of handlers. Installed by the training CLI as soon as jax.distributed
+# is up (its own SIGTERM handler, JAX's preemption notifier, would otherwise swallow a notice
+# that comes during start-up) and by `Trainer.run`.
+STOP_SIGNALS = StopSignals()

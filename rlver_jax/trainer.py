@@ -128,10 +128,11 @@ class Trainer:
     sharding.maybe_initialize_distributed()
     self.lock = workdir_lib.claim(config.workdir)  # before anything is written there
     self.checkpoints = self.metrics = self.dialogue_log = None
-    self.signals = preemption.StopSignals()  # installed while `run` runs
+    self.signals = preemption.STOP_SIGNALS  # installed while `run` runs, or by the CLI
     self.outputs: set[str] = set()  # what this run wrote, for the summary at its end
     try:
-      self._build()
+      with self.signals.abortable():  # loading and warming up: nothing to save yet
+        self._build()
     except BaseException:
       self.close()
       raise

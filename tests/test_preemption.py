@@ -132,3 +132,26 @@ def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
   after = read_metrics(workdir)
   assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
   assert after[:finished] == before
+
+
+def test_sigterm_during_start_up_stops_it_at_once_with_status_75(tmp_path):
+  command = [sys.executable, "-m", "rlver_jax.main", f"--config.workdir={tmp_path}",
+             "--config.mesh.fsdp=1"]  # the demo's whole warm-up: about a minute
+  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+  try:
+    for line in run.stderr:
+      if "warming up the tiny policy" in line:
+        break
+    run.send_signal(signal.SIGTERM)
+    start = time.monotonic()
+    _, err = run.communicate(timeout=120)
+  finally:
+    run.kill()
+  assert run.returncode == preemption.PREEMPTED_EXIT_CODE, err[-3000:]
+  assert time.monotonic() - start < 30  # not after the warm-up's minute
+  assert err.strip().splitlines()[-1] == (
+      "preempted: SIGTERM: stopped while starting, before any step; nothing to save. Run the "
+      "same command again to start")
+  assert "Traceback" not in err and not (tmp_path / "init_policy" / "config.json").exists()
