@@ -165,6 +165,9 @@ def warm_up(model: qwen2.Qwen2, tokenizer, *, steps: int, helpfulness: float,
   for i in range(steps):
     rows = slice(i * batch_size, (i + 1) * batch_size)
     params, opt_state, loss = step(params, opt_state, tokens_nt[rows], mask_nt[rows])
+    # One step at a time: Python runs signal handlers only between its own instructions, and
+    # with every step dispatched at once a Ctrl-C or SIGTERM would wait out the whole warm-up.
+    loss.block_until_ready()
   loss = float(loss)
   logging.info("warm-up: %d steps of %d chats in %.1f s, reply loss %.3f", steps, batch_size,
                time.perf_counter() - start, loss)
