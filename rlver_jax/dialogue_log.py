@@ -19,7 +19,8 @@ from typing import Collection, Sequence
 
 from absl import logging
 
-from rlver_jax.metrics import read_appended_jsonl
+from rlver_jax.metrics import read_appended_jsonl, rewrite_jsonl
+from rlver_jax.preemption import Preempted
 from sim_user.simulator import Dialogue
 
 DIALOGUES = "dialogues.jsonl"
@@ -105,8 +106,7 @@ class DialogueLog:
     if not kept:
       os.remove(self.path)
       return []
-    with open(self.path, "w") as f:
-      f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in kept)
+    rewrite_jsonl(self.path, kept)
     return kept
 
   def _add_text(self, records: Sequence[dict]) -> None:
@@ -173,7 +173,6 @@ class DialogueLog:
 
 
 def _ending(step: int, steps: int) -> str:
-  from rlver_jax.preemption import Preempted
   error = sys.exc_info()[1]
   if isinstance(error, Preempted):
     return f"preempted ({error.signal_name}) at step {step}/{steps}; resume with the same command"

@@ -38,8 +38,7 @@ class MetricsWriter:
     # by two runs on one workdir before the workdir lock), in step order.
     kept = sorted({r["step"]: r for r in read_appended_jsonl(self.path)
                    if r["step"] <= resume_step}.values(), key=lambda r: r["step"])
-    with open(self.path, "w") as f:
-      f.writelines(json.dumps(record) + "\n" for record in kept)
+    rewrite_jsonl(self.path, kept)
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter
@@ -84,6 +83,12 @@ def _plain(value):
     return float(value) if not isinstance(value, (int, str, bool)) else value
   except (TypeError, ValueError):
     return str(value)
+
+
+def rewrite_jsonl(path: str, records: list[dict]) -> None:
+  """Replaces the file's records with `records` (a resumed run's kept ones)."""
+  with open(path, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(record, ensure_ascii=False) + "\n" for record in records)
 
 
 def read_appended_jsonl(path: str) -> list[dict]:
