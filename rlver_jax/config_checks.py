@@ -13,7 +13,7 @@ from models.errors import UserInputError
 from rl import losses
 from rl import rollout as rollout_lib
 from rl import system_prompts
-from rlver_jax import simulator_factory
+from rlver_jax import off_policy, simulator_factory
 from sim_user import dynamics, redact, templates
 
 ALGORITHMS = ("ppo", "grpo")
@@ -140,6 +140,10 @@ def check_train_config(config) -> None:
             f"the sampler's copy of the weights: expected one of {SAMPLING_DTYPES} "
             "(empty: decode from the training weights)")
   p.one_of("rollout.sampling_layout", partitioning.SAMPLING_LAYOUTS)
+  p.require("rollout.off_policy_steps", lambda v: v in off_policy.CHOICES,
+            f"expected one of {off_policy.CHOICES}: 0 collects each step's dialogues with the "
+            "weights it trains (on-policy), 1 collects the next step's while this step's update "
+            "runs; more steps ahead are not supported")
   _check_system_prompt(p, "rollout.system_prompt")
 
   p.one_of("rl.reward", REWARDS)

@@ -67,6 +67,11 @@ def flatten(tree: dict, prefix: str = "") -> dict:
   return out
 
 
+# Fields added after runs were saved without them, with the value that those runs had: a
+# saved config that lacks one compares as if it held this value.
+ADDED_FIELDS = {"rollout.off_policy_steps": 0}
+
+
 def resumable(field: str) -> bool:
   return any(field == allowed or (allowed.endswith(".") and field.startswith(allowed))
              for allowed in RESUMABLE_FIELDS)
@@ -75,6 +80,7 @@ def resumable(field: str) -> bool:
 def differing_fields(saved: dict, current: dict) -> list[str]:
   """Fields outside RESUMABLE_FIELDS whose values differ (or exist on one side only)."""
   absent = object()
+  saved = {**{k: v for k, v in ADDED_FIELDS.items() if k in current}, **saved}
   return [k for k in sorted(set(saved) | set(current))
           if not resumable(k) and saved.get(k, absent) != current.get(k, absent)]
 

@@ -11,6 +11,11 @@ trained on, and too many such steps in a row stop the run. Orbax checkpoints
 and data position; a restarted run resumes from the latest one, with the
 config saved in W/config.json. Metrics go to W/metrics.jsonl and TensorBoard,
 the reward curve to W/reward_curve.png, the final policy to W/export.
+
+With `rollout.off_policy_steps=1` step n+1's dialogues are collected in a background
+thread, with the weights that sampled step n, while step n's update runs
+(`rlver_jax/off_policy.py`); a checkpoint still holds its own step's data position, and a
+rollout collected ahead is dropped by a stop and collected again on resume.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -35,7 +41,7 @@ from rl import keys
 from rl import rollout as rollout_lib
 from rlver_jax import builder, compile_cache, config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import multihost, preemption, run_config, sharding, simulator_factory
+from rlver_jax import multihost, off_policy, preemption, run_config, sharding, simulator_factory
 from rlver_jax import workdir as workdir_lib
 from sim_user import profiles as profiles_lib
 
@@ -91,12 +97,17 @@ class ProfileOrder:
     self.num_profiles, self.seed, self.position = num_profiles, seed, position
 
   def take(self, count: int) -> list[int]:
-    out = []
-    while len(out) < count:
-      epoch, offset = divmod(self.position, self.num_profiles)
-      out.append(int(self._order(epoch)[offset]))
-      self.position += 1
+    out, self.position = self.peek(count)
     return out
+
+  def peek(self, count: int) -> tuple[list[int], int]:
+    """The next `count` profiles and the position after them, without moving."""
+    out, position = [], self.position
+    while len(out) < count:
+      epoch, offset = divmod(position, self.num_profiles)
+      out.append(int(self._order(epoch)[offset]))
+      position += 1
+    return out, position
 
   @functools.lru_cache(maxsize=1)
   def _order(self, epoch: int) -> np.ndarray:
@@ -128,6 +139,7 @@ class Trainer:
     sharding.maybe_initialize_distributed()
     self.lock = workdir_lib.claim(config.workdir)  # before anything is written there
     self.checkpoints = self.metrics = self.dialogue_log = None
+    self.prefetch: off_policy.BackgroundRollout | None = None  # the next step's, collected ahead
     self.signals = preemption.STOP_SIGNALS  # installed while `run` runs, or by the CLI
     self.outputs: set[str] = set()  # what this run wrote, for the summary at its end
     try:
@@ -152,6 +164,11 @@ class Trainer:
                               resuming=self.checkpoints.latest_step() is not None)
     mesh = partitioning.make_mesh(dict(config.mesh))
     self.hosts = multihost.Hosts(mesh, dict(config.mesh))
+    self.off_policy_steps = config.rollout.get("off_policy_steps", 0)
+    off_policy.check_supported(self.off_policy_steps, self.hosts.count)
+    # On several devices, the background rollout and the update take turns on them.
+    self.turns = off_policy.DeviceTurns(
+        enabled=bool(self.off_policy_steps) and self.hosts.train_mesh.devices.size > 1)
     self.loss_cfg = builder.loss_config(config)
     self.rollout_cfg = builder.train_rollout_config(config)
     self.profiles = profiles_lib.load_profiles(config.data.train_profiles)
@@ -166,6 +183,7 @@ class Trainer:
     self.batch_multiple = self.micro_multiple * config.optim.num_minibatches
 
     self.step, self.order, self.skipped_updates = 0, ProfileOrder(len(self.profiles), config.seed), 0
+    self.sampler_step = None  # the step whose weights the sampler holds (0: the initial ones)
     self._last_save = time.monotonic()
     self._restore()
     self.metrics = metrics_lib.MetricsWriter(config.workdir, resume_step=self.step)
@@ -179,6 +197,7 @@ class Trainer:
     Also after a failure: an open checkpoint manager left to the interpreter's
     shutdown fails there with a traceback of its own.
     """
+    self._drop_prefetch()
     if self.checkpoints is not None:
       self.checkpoints.wait_until_finished()
       self.checkpoints.close()
@@ -203,7 +222,9 @@ class Trainer:
             "skipped_updates": self.skipped_updates}
     args = {k: ocp.args.StandardSave(v) for k, v in self._state().items()}
     # Returns once the arrays are copied off the device; the files are written in the background.
-    self.checkpoints.save(self.step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
+    with self.turns.turn():
+      self.checkpoints.save(self.step,
+                            args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args))
     self._last_save = time.monotonic()
     self.outputs.add("checkpoints")
 
@@ -218,6 +239,7 @@ class Trainer:
 
   def _stop(self, signal_name: str) -> None:
     """Saves the last finished step (unless saved) and raises Preempted."""
+    self._drop_prefetch()  # the next step's dialogues: collected again on resume
     if self.step and self.checkpoints.latest_step() != self.step:
       self._save()
     self.checkpoints.wait_until_finished()
@@ -244,34 +266,92 @@ class Trainer:
     self.skipped_updates = meta["skipped_updates"]
     logging.info("resumed from %s at step %d", self.checkpoints.directory, self.step)
 
+  # Rollouts.
+
+  def _refresh_sampler(self) -> None:
+    """The sampler to the weights of the last finished step, unless it holds them already."""
+    if self.sampler_step == self.step:
+      return
+    assert self.prefetch is None, "the sampler's weights change under a rollout in flight"
+    params = self.hosts.local_params(self.models.policy.params)
+    if self.off_policy_steps and not self.config.rollout.sampling_dtype:
+      # This sampler decodes from the weights it is given, and the update that runs beside the
+      # next rollout donates the training weights: it gets a copy of its own.
+      params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
+    self.models.sampler.update_weights(params)
+    if self.off_policy_steps:  # ready before the update that may donate what it was read from
+      jax.block_until_ready(self.models.sampler.state)
+    self.sampler_step = self.step
+
+  def _collect(self, step: int, profile_ids: list[int], sampler, user):
+    """`step`'s rollout of these profiles (this host's share) and its simulator events."""
+    chosen = [self.profiles[i] for i in profile_ids]
+    share = self.hosts.share(len(chosen))  # this host's dialogues
+    sim_counts_before = dict(user.metrics)
+    rollout = rollout_lib.collect(
+        sampler, self.models.formatter, user, chosen[share.start:share.stop], self.rollout_cfg,
+        keys.rollout_step(self.config.seed, step), first_profile=share.start)
+    sim_events = {key: count - sim_counts_before.get(key, 0)  # this rollout's simulator events
+                  for key, count in user.metrics.items()}
+    return rollout, sim_events
+
+  def _start_prefetch(self, step: int) -> None:
+    """Starts collecting `step`'s dialogues in the background with the current weights."""
+    self._refresh_sampler()
+    profile_ids, position = self.order.peek(self.config.batch_size)
+    self.prefetch = off_policy.BackgroundRollout(
+        step, functools.partial(self._collect, step, profile_ids), self.models.sampler,
+        self.user, self.turns, user_in_turns=self.config.sim_user.backend == "flax",
+        position=position, weights_step=self.step)
+
+  def _drop_prefetch(self) -> None:
+    prefetch, self.prefetch = self.prefetch, None
+    if prefetch is not None:
+      prefetch.cancel()
+
+  def _rollout(self, step: int):
+    """(rollout, simulator events, data position after it, the step whose weights sampled
+    it, seconds waited for it), or None when a stop signal came first. The rollout is the
+    one collected ahead in the background, if any, else collected now."""
+    if self.prefetch is not None and self.prefetch.step != step:
+      self._drop_prefetch()  # not this step's (cannot happen in `run`): collected anew
+    prefetch = self.prefetch
+    if prefetch is None:
+      self._refresh_sampler()
+    start = time.perf_counter()
+    try:
+      with self.signals.abortable():  # a signal drops the rollout: the update would be long
+        if prefetch is not None:
+          rollout, sim_events = prefetch.result()  # the background rollout's error, raised here
+          self.prefetch = None
+          return (rollout, sim_events, prefetch.info["position"], prefetch.info["weights_step"],
+                  time.perf_counter() - start)
+        profile_ids, position = self.order.peek(self.config.batch_size)
+        rollout, sim_events = self._collect(step, profile_ids, self.models.sampler, self.user)
+        return rollout, sim_events, position, self.sampler_step, time.perf_counter() - start
+    except preemption.StopRequested:
+      return None  # a prefetch still running is dropped by `_stop`
+
   # One step.
 
   def run_step(self) -> dict:
     config = self.config
     step = self.step + 1
     # batch_size counts profiles (verl's batch size counts prompts); each is sampled n times.
-    position = self.order.position
-    chosen = [self.profiles[i] for i in self.order.take(config.batch_size)]
-    share = self.hosts.share(len(chosen))  # this host's dialogues
-    sim_counts_before = dict(self.user.metrics)
-    self.models.sampler.update_weights(self.hosts.local_params(self.models.policy.params))
-    try:
-      with self.signals.abortable():  # a signal drops the rollout: the update would be long
-        rollout = rollout_lib.collect(
-            self.models.sampler, self.models.formatter, self.user,
-            chosen[share.start:share.stop], self.rollout_cfg, keys.rollout_step(config.seed, step),
-            first_profile=share.start)
-    except preemption.StopRequested:
-      rollout = None
+    collected = self._rollout(step)
     signal_name = self.signals.agreed()  # every host, after its rollout
     if signal_name:
-      self.order.position = position  # the resumed run draws this step's profiles again
-      self._stop(signal_name)
+      self._stop(signal_name)  # the data position stays step `self.step`'s: drawn again
+    rollout, sim_events, position, weights_step, waited = collected
+    self.order.position = position
+    if self.off_policy_steps and step < config.steps:
+      self._start_prefetch(step + 1)  # beside this step's update, with the weights before it
     self.dialogue_log.observe(step, rollout.dialogues)
-    sim_events = {key: count - sim_counts_before.get(key, 0)  # this step's simulator events
-                  for key, count in self.user.metrics.items()}
     rollout_metrics = {**rollout.metrics, **sim_events, "tokens_per_s": rollout.metrics[
-        "tokens/generated"] / max(rollout.metrics["time/rollout"], 1e-9)}
+        "tokens/generated"] / max(rollout.metrics["time/rollout"], 1e-9),
+        # Updates between the weights that sampled this step and those it trains (0:
+        # on-policy), and the seconds the step waited for its dialogues.
+        "rollout/policy_lag": self.step - weights_step, "rollout/wait_s": waited}
     if not self.simulator_guard.trainable(
         step, multihost.gather([d.failure for d in rollout.dialogues])):
       self.step = step
@@ -281,17 +361,21 @@ class Trainer:
       raise TrainingError(f"step {step}: every dialogue was dropped by the simulator")
 
     start = time.perf_counter()
-    batch = self.hosts.collate(rollout.samples, self.batch_multiple,
-                               pad_id=self.models.tokenizer.pad_token_id or 0)
-    micro_rows = batch.rows // (config.optim.num_minibatches * config.optim.grad_accum)
-    if self.models.critic is not None:
-      batch = batch.replace(old_values_bt=self.models.critic.apply_in_micro_batches(
-          forward.critic_values, batch, micro_rows))
-    if self.models.reference is not None:
-      batch = batch.replace(ref_logprobs_bt=self.models.reference.apply_in_micro_batches(
-          forward.sequence_logprobs, batch, micro_rows, temperature=self.loss_cfg.temperature))
-    batch = advantages_lib.compute_advantages(batch, self.loss_cfg)
+    turns = self.turns  # on several devices, the background rollout's turns come between these
+    with turns.turn():
+      batch = self.hosts.collate(rollout.samples, self.batch_multiple,
+                                 pad_id=self.models.tokenizer.pad_token_id or 0)
+      micro_rows = batch.rows // (config.optim.num_minibatches * config.optim.grad_accum)
+      if self.models.critic is not None:
+        batch = batch.replace(old_values_bt=self.models.critic.apply_in_micro_batches(
+            forward.critic_values, batch, micro_rows))
+      if self.models.reference is not None:
+        batch = batch.replace(ref_logprobs_bt=self.models.reference.apply_in_micro_batches(
+            forward.sequence_logprobs, batch, micro_rows, temperature=self.loss_cfg.temperature))
+      batch = advantages_lib.compute_advantages(batch, self.loss_cfg)
     update_metrics = []
+    # old_logprobs_bt are the sampler's log-probs of the tokens it drew: the behaviour policy's,
+    # also when it is a step behind (off_policy_steps=1), so the losses' ratio corrects for it.
     update_batch = batch.for_update()
     if config.rollout.thinking:
       # Every agent turn is a sample, many per dialogue: mini-batches hold the step's
@@ -309,9 +393,11 @@ class Trainer:
     for _ in range(config.optim.ppo_epochs):
       for minibatch in minibatches:
         micro_batches = batch_lib.split(minibatch, config.optim.grad_accum)
-        m = policy.update(micro_batches, learning_rate=policy_lr)
-        if critic is not None:
-          m.update(critic.update(micro_batches, learning_rate=critic_lr))
+        with turns.turn():
+          m = policy.update(micro_batches, learning_rate=policy_lr)
+          if critic is not None:
+            m.update(critic.update(micro_batches, learning_rate=critic_lr))
+          turns.settle(m, policy.params, critic.params if critic is not None else None)
         update_metrics.append(m)
     update_metrics = jax.device_get(update_metrics)  # the one wait for the device this step
     train_seconds = time.perf_counter() - start
@@ -393,6 +479,7 @@ class Trainer:
                        step_metrics["tokens_per_s"], sim_failed)
         self.simulator_guard.raise_if_down()
     finally:  # a run that stops still leaves its last checkpoint whole
+      self._drop_prefetch()  # a failed run's rollout collected ahead (a finished run has none)
       bar.close()
       self.checkpoints.wait_until_finished()
     plot = self._plot()
