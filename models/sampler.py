@@ -31,21 +31,30 @@ what each produced. Rows not chosen keep their cache and cost nothing: a call
 gathers its rows into a small batch, runs, and scatters them back. On a mesh
 each data shard gathers the chosen rows it holds (no cache row crosses
 devices) and a call decodes as many rows on every shard, so callers choose
-rows spread evenly over the shards (`RowBatch.shard`). Row counts are padded
-to `row_bucket` sizes, token counts to powers of two.
+rows spread evenly over the shards (`RowBatch.shard`).
+
+Row programs come from a fixed set per `RowBatch`, known before the first
+call (`row_program_set`), whatever order dialogues become ready in: the
+capacity is fixed when the rows start; a call takes one of three widths
+(`RowBatch.widths`) and a decode chunk attends over one of three slot counts
+(`RowBatch.slot_levels`); a prefill feeds `prefill_chunk` tokens per row
+(longer feeds take several calls) and attends over the whole capacity.
+`compile_rows` compiles the set in parallel ahead of the first call.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import math
 import time
-from typing import Callable, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
@@ -55,6 +64,12 @@ from models.qwen2 import KV_CACHE_AXES, KVCache, Qwen2
 DECODE_CHUNK_STEPS = 32  # steps of one `decode_rows` call, by default
 MIN_CHUNK_BUCKET = 16  # the fewest tokens a prefill chunk is padded to
 MIN_CACHE_BUCKET = 256  # the fewest cache slots a cache holds or a row call attends over
+PREFILL_CHUNK = 128  # tokens one `prefill_rows` call feeds a row; a longer feed takes several
+# A row call takes one of LADDER_RUNGS widths (the batch, a quarter of it, a sixteenth) and a
+# decode chunk attends over one of LADDER_RUNGS slot counts (the capacity, a quarter, ...).
+LADDER_RUNGS = 3
+WIDTH_RATIO = 4
+SLOT_RATIO = 4
 STOP = "stop"
 LENGTH = "length"
 
@@ -112,7 +127,9 @@ class DecodeStats:
   seconds: float = 0.0  # wall time of prefill and decode calls, results fetched
   row_steps: int = 0  # decoding rows, padding included, x decode steps run
   tokens: int = 0  # tokens drawn for real rows
-  occupancy: float = 0.0  # over decode calls, sum of row_steps x (tokens held / cache slots)
+  # over decode calls, sum of row_steps x (tokens held / cache slots the decoding rows attend
+  # over: the batch cache's, or a row call's attended slots)
+  occupancy: float = 0.0
 
   def add(self, seconds: float, rows: int, steps: int, tokens: int, held: int,
           slots: int) -> None:
@@ -127,7 +144,7 @@ class DecodeStats:
 
   def metrics(self) -> dict:
     """`rollout/` figures of a span: slot efficiency (tokens / row-steps), cache occupancy of
-    the decoding batch (averaged over row-steps), the row-steps (their weight when hosts
+    the slots the decoding rows attend over (averaged over row-steps), the row-steps (their weight when hosts
     combine them) and decode time."""
     return {"rollout/slot_efficiency": self.tokens / max(self.row_steps, 1),
             "rollout/cache_occupancy": self.occupancy / max(self.row_steps, 1),
@@ -148,6 +165,7 @@ class RowBatch:
   lengths: np.ndarray  # int [B]
   num_rows: int
   shards: int = 1
+  min_slots: int = MIN_CACHE_BUCKET  # the fewest slots a decode chunk attends over
 
   @property
   def rows_per_shard(self) -> int:
@@ -164,6 +182,22 @@ class RowBatch:
   @property
   def batch_size(self) -> int:
     return self.cache.kv_positions_bs.shape[0]
+
+  @property
+  def widths(self) -> tuple[int, ...]:
+    return row_widths(self.batch_size, self.shards)
+
+  @property
+  def slot_levels(self) -> tuple[int, ...]:
+    return attended_slot_levels(self.capacity, self.min_slots)
+
+  def width_for(self, rows: int) -> int:
+    """The width a call on `rows` rows (spread evenly over the shards) is padded to."""
+    return next(w for w in self.widths if w >= rows)
+
+  def slots_for(self, tokens: int) -> int:
+    """The slot count a decode chunk whose rows hold up to `tokens` tokens attends over."""
+    return next((s for s in self.slot_levels if s >= tokens), self.capacity)
 
 
 @dataclasses.dataclass
@@ -204,22 +238,24 @@ def bucket_size(n: int, minimum: int = 1) -> int:
   return max(minimum, 1 << (max(n, 1) - 1).bit_length())
 
 
-def row_bucket_sizes(limit: int, multiple: int = 1) -> list[int]:
-  """Row counts a row call is compiled for, up to the first one >= `limit`.
+def ladder(top: int, ratio: int, bottom: int = 1, multiple: int = 1) -> tuple[int, ...]:
+  """Up to LADDER_RUNGS sizes, ascending: `top`, top / ratio, top / ratio^2 (rounded up),
+  each at least `bottom` and a multiple of `multiple`; `top` must be one."""
+  sizes = {-(-max(bottom, -(-top // ratio ** rung)) // multiple) * multiple
+           for rung in range(LADDER_RUNGS)}
+  return tuple(sorted(sizes))
 
-  Every count up to 8, then steps of a half and a third (12, 16, 24, 32, 48,
-  ...), so a caller that decodes the largest size <= its ready rows leaves
-  at most a third of them for the next chunk and pads none; all multiples of
-  `multiple` (the data-parallel size).
-  """
-  sizes, n = [], 1
-  while True:
-    size = -(-n // multiple) * multiple
-    if not sizes or size > sizes[-1]:
-      sizes.append(size)
-    if size >= limit:
-      return sizes
-    n = n + 1 if n < 8 else (n * 3 // 2 if n & (n - 1) == 0 else n * 4 // 3)
+
+def row_widths(batch_rows: int, shards: int) -> tuple[int, ...]:
+  """The row counts a row call on `batch_rows` rows takes (padded up to): multiples of the
+  data shards."""
+  return ladder(batch_rows, WIDTH_RATIO, shards, shards)
+
+
+def attended_slot_levels(capacity: int, min_slots: int) -> tuple[int, ...]:
+  """The slot counts a decode chunk over rows of `capacity` slots attends over (every row's
+  first slots)."""
+  return ladder(capacity, SLOT_RATIO, min(min_slots, capacity))
 
 
 def sample_logits(logits_bv, key, temperature, top_p, *, greedy: bool, top_k: int,
@@ -335,8 +371,8 @@ class Sampler:
                mesh: Mesh | None = None, cache_dtype=None,
                min_chunk_bucket: int = MIN_CHUNK_BUCKET,
                min_cache_bucket: int = MIN_CACHE_BUCKET,
-               decode_chunk_steps: int = DECODE_CHUNK_STEPS, sampling_dtype=None,
-               sampling_layout: str = "decode"):
+               decode_chunk_steps: int = DECODE_CHUNK_STEPS, prefill_chunk: int = PREFILL_CHUNK,
+               sampling_dtype=None, sampling_layout: str = "decode"):
     """`sampling_dtype` (opt-in, e.g. bfloat16): decode from a copy of the weights in
     that dtype (`decoding_copy`; its layers a list where `layers_as_list`), placed by the
     rules of `partitioning.SAMPLING_LAYOUTS[sampling_layout]` ("decode": split over tensor
@@ -351,6 +387,10 @@ class Sampler:
     self.min_chunk_bucket = min_chunk_bucket
     self.min_cache_bucket = min_cache_bucket
     self.decode_chunk_steps = decode_chunk_steps
+    self.prefill_chunk = prefill_chunk
+    self.row_capacity = 0  # the largest capacity a RowBatch has had (see `start_rows`)
+    self._row_executables = {}  # (rows, RowCall, decode static args) -> compiled program
+    self._empty_rows_programs = {}  # (rows, capacity) -> jitted empty RowBatch
     self.sampling_dtype = None if sampling_dtype is None else jnp.dtype(sampling_dtype)
     self.stats = DecodeStats()
     self._refresh = None
@@ -365,8 +405,6 @@ class Sampler:
       self.state = partitioning.place_state(state, mesh)
     self._prefill, self._decode = batch_programs(self.graphdef, self.stop_token_ids,
                                                  self.pad_id)
-    self._prefill_rows, self._decode_rows = row_programs(self.graphdef, self.stop_token_ids,
-                                                         self.pad_id)
 
   def update_weights(self, model_or_state) -> None:
     """Uses new weights (a model or its state) without recompiling."""
@@ -386,7 +424,10 @@ class Sampler:
     return math.lcm(bucket_size(num_rows), self.data_parallel_size())
 
   def _put(self, array, logical_axes):
-    return partitioning.place(array, logical_axes, self.mesh)
+    """A host array placed for a call on the mesh; without one, as it is (a jitted program
+    takes host arrays as they are, where making each a device array first compiles a small
+    program per shape)."""
+    return array if self.mesh is None else partitioning.place(array, logical_axes, self.mesh)
 
   def _place_cache(self, cache: KVCache) -> KVCache:
     if self.mesh is None:
@@ -511,31 +552,82 @@ class Sampler:
 
   # Rows, one dialogue at a time.
 
-  def row_bucket(self, num_rows: int) -> int:
-    """The compiled row count a `decode_rows` call on `num_rows` rows is padded to, when
-    they are spread evenly over the data shards (see `_row_index`)."""
-    return next(s for s in row_bucket_sizes(num_rows, self.data_parallel_size())
-                if s >= num_rows)
-
   def start_rows(self, num_rows: int, capacity: int = 0) -> RowBatch:
-    """`num_rows` empty rows (capacity grows on demand)."""
+    """`num_rows` empty rows of `capacity` slots each (a bucket size).
+
+    The sampler keeps the largest capacity its rows have had and starts every
+    `RowBatch` with at least that many slots, so a run's rollouts share one
+    set of row programs (`row_program_set`). A row that outgrows the capacity
+    grows the cache and compiles the set for the new capacity (logged).
+    """
     shards = self.data_parallel_size()
     batch = math.lcm(num_rows, shards)
-    slots = bucket_size(capacity, self.min_cache_bucket)
-    cache = self._place_cache(KVCache.init_rows(self.config, batch, slots, self.cache_dtype,
-                                                self.cache_layers_as_list))
-    logits_bv = self._put(jnp.zeros((batch, self.config.vocab_size), jnp.float32),
-                          ("batch", None))
+    self.row_capacity = max(self.row_capacity, bucket_size(capacity, self.min_cache_bucket))
+    cache, logits_bv = self._empty_rows(batch, self.row_capacity)()
     return RowBatch(cache=cache, logits_bv=logits_bv, lengths=np.zeros(batch, np.int64),
-                    num_rows=num_rows, shards=shards)
+                    num_rows=num_rows, shards=shards, min_slots=self.min_cache_bucket)
 
-  def _attended_slots(self, rb: RowBatch, needed: int) -> int:
-    """Cache slots a row call attends over: a bucket of the most its rows will hold, so the
-    attention of short dialogues in a long cache does not scan its empty slots."""
-    return min(rb.capacity, bucket_size(needed, self.min_cache_bucket))
+  def _empty_rows(self, batch: int, capacity: int):
+    """One jitted program making an empty row cache and logits, placed where they live."""
+    if (batch, capacity) not in self._empty_rows_programs:
+      self._empty_rows_programs[batch, capacity] = self._empty_rows_program(batch, capacity)
+    return self._empty_rows_programs[batch, capacity]
 
-  def _row_index(self, rb: RowBatch, rows: Sequence[int],
-                 width_for: Callable[[int], int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  def _empty_rows_program(self, batch: int, capacity: int):
+    def empty():
+      cache = KVCache.init_rows(self.config, batch, capacity, self.cache_dtype,
+                                self.cache_layers_as_list)
+      return cache, jnp.zeros((batch, self.config.vocab_size), jnp.float32)
+    if self.mesh is None:
+      return jax.jit(empty)
+    abstract = _abstract_cache(self.config, self.mesh, batch, capacity, self.cache_dtype,
+                               self.cache_layers_as_list, per_row=True)
+    logits = programs.rows(self.mesh, (batch, self.config.vocab_size), jnp.float32)
+    return jax.jit(empty, out_shardings=jax.tree.map(lambda x: x.sharding, (abstract, logits)))
+
+  def _fit(self, rb: RowBatch, needed: int) -> None:
+    """Grows `rb`'s cache to hold `needed` tokens a row, when it does not."""
+    if needed <= rb.capacity:
+      return
+    rb.cache = self._grown(rb.cache, needed)
+    self.row_capacity = max(self.row_capacity, rb.capacity)
+    logging.warning("a dialogue needs %d cache slots: the row cache grew to %d, and its row "
+                    "programs compile again for that capacity", needed, rb.capacity)
+
+  def row_program_set(self, rb: RowBatch) -> list[RowCall]:
+    """The row programs calls on `rb` run (`row_program_set`)."""
+    return row_program_set(rb.batch_size, rb.capacity, rb.shards, rb.min_slots,
+                           self.prefill_chunk)
+
+  def compile_rows(self, rb: RowBatch, params: SamplingParams) -> int:
+    """Compiles every row program calls on `rb` with `params` can run, in parallel threads
+    (XLA compiles them side by side), skipping those compiled before; returns how many it
+    compiled. Calls compile what they need on their own: this only brings it forward."""
+    missing = [call for call in self.row_program_set(rb)
+               if self._row_key(rb, call, params) not in self._row_executables]
+    if missing:
+      with concurrent.futures.ThreadPoolExecutor(min(len(missing), 8)) as pool:
+        list(pool.map(lambda call: self._row_executable(rb, call, params), missing))
+    return len(missing)
+
+  def _row_key(self, rb: RowBatch, call: RowCall, params: SamplingParams) -> tuple:
+    return (rb.batch_size, call) + (tuple(sorted(params.static().items()))
+                                    if call.kind == "decode_rows" else ())
+
+  def _row_executable(self, rb: RowBatch, call: RowCall, params: SamplingParams):
+    """The compiled program of `call` (compiled now if it is not yet)."""
+    key = self._row_key(rb, call, params)
+    if key not in self._row_executables:
+      with partitioning.mesh_context(self.mesh):
+        program = row_program(self.graphdef, _abstract_like(self.state, self.mesh), self.config,
+                              self.mesh,
+                              call, rb.batch_size, self.cache_dtype, self.cache_layers_as_list,
+                              params, self.stop_token_ids, self.pad_id, self.decode_chunk_steps)
+        self._row_executables[key] = program.fn.lower(*program.args, **program.static).compile()
+    return self._row_executables[key]
+
+  def _row_index(self, rb: RowBatch, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray,
+                                                                     np.ndarray]:
     """Where a row call reads and writes `rows`: (index_k, rows_k, place of each row in them).
 
     Each data shard gathers rows of its own only (no cache row crosses
@@ -544,7 +636,7 @@ class Sampler:
     shard s of the rows it holds, padded with an out-of-range id (read
     clamped, written nowhere). `rows_k` holds the same rows' global ids, padded
     with the batch size, for what every device holds whole (the lengths). The
-    width is `width_for(shards x the most rows any one shard holds)`: rows
+    width is `rb.width_for(shards x the most rows any one shard holds)`: rows
     spread evenly over the shards pad least.
     """
     if len(set(rows)) != len(rows) or any(not 0 <= r < rb.num_rows for r in rows):
@@ -552,7 +644,7 @@ class Sampler:
     by_shard = [[] for _ in range(rb.shards)]
     for place, row in enumerate(rows):
       by_shard[rb.shard(row)].append(place)
-    width = width_for(rb.shards * max(len(places) for places in by_shard))
+    width = rb.width_for(rb.shards * max(len(places) for places in by_shard))
     per_shard = width // rb.shards
     index_k = np.full(width, rb.rows_per_shard, np.int32)
     rows_k = np.full(width, rb.batch_size, np.int32)
@@ -567,31 +659,37 @@ class Sampler:
 
   def prefill_rows(self, rb: RowBatch, rows: Sequence[int], new_tokens: Sequence[Sequence[int]],
                    restart: bool = False) -> None:
-    """Appends each row's new tokens at that row's own length (from 0 with `restart`)."""
+    """Appends each row's new tokens at that row's own length (from 0 with `restart`), in
+    calls of `prefill_chunk` tokens a row."""
     if len(rows) != len(new_tokens) or not rows:
       raise ValueError(f"{len(new_tokens)} token lists for {len(rows)} rows")
     if any(not tokens for tokens in new_tokens):
       raise ValueError("every row needs at least one new token")
-    # Powers of two: prefill pads a few rows rather than compiling for every row count.
-    index, global_index, slot_of_row = self._row_index(rb, rows, self._batch_bucket)
     if restart:
       rb.lengths[list(rows)] = 0
-    needed = max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens))
-    rb.cache = self._grown(rb.cache, needed)
-    width = bucket_size(max(len(t) for t in new_tokens), self.min_chunk_bucket)
-    tokens_kt = np.full((len(index), width), self.pad_id, np.int32)
-    mask_kt = np.zeros((len(index), width), np.bool_)
+    self._fit(rb, max(int(rb.lengths[r]) + len(t) for r, t in zip(rows, new_tokens)))
+    chunk = self.prefill_chunk
+    for start in range(0, max(len(t) for t in new_tokens), chunk):
+      fed = [(r, t[start:start + chunk]) for r, t in zip(rows, new_tokens) if len(t) > start]
+      self._prefill_chunk(rb, [r for r, _ in fed], [t for _, t in fed], restart and not start)
+
+  def _prefill_chunk(self, rb: RowBatch, rows: Sequence[int],
+                     new_tokens: Sequence[Sequence[int]], restart: bool) -> None:
+    index, global_index, slot_of_row = self._row_index(rb, rows)
+    call = RowCall("prefill_rows", len(index), rb.capacity, rb.capacity, self.prefill_chunk)
+    tokens_kt = np.full((len(index), call.chunk), self.pad_id, np.int32)
+    mask_kt = np.zeros((len(index), call.chunk), np.bool_)
     for k, tokens in zip(slot_of_row, new_tokens):
       tokens_kt[k, :len(tokens)] = tokens  # right-padded: the row's tokens stay contiguous
       mask_kt[k, :len(tokens)] = True
     restart_k = np.full(len(index), restart)
+    program = self._row_executable(rb, call, SamplingParams())
     start = time.perf_counter()
     with partitioning.mesh_context(self.mesh):
-      rb.cache, rb.logits_bv = self._prefill_rows(
+      rb.cache, rb.logits_bv = program(
           self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
           self._put(global_index, ("batch",)), self._put(tokens_kt, ("batch", None)),
-          self._put(mask_kt, ("batch", None)), self._put(restart_k, ("batch",)),
-          slots=self._attended_slots(rb, needed))
+          self._put(mask_kt, ("batch", None)), self._put(restart_k, ("batch",)))
       jax.block_until_ready(rb.logits_bv)
     self.stats.seconds += time.perf_counter() - start
     for r, tokens in zip(rows, new_tokens):
@@ -599,9 +697,9 @@ class Sampler:
 
   def decode_rows(self, rb: RowBatch, rows: Sequence[int], budgets: Sequence[int],
                   params: SamplingParams, keys: Sequence[jax.Array] | None,
-                  row_ids: Sequence[int], offsets: Sequence[int], steps: int | None = None,
+                  row_ids: Sequence[int], offsets: Sequence[int],
                   stop_after_finished: int = 0) -> RowChunk:
-    """Decodes up to `steps` (default `decode_chunk_steps`) tokens for each given row.
+    """Decodes up to `decode_chunk_steps` tokens for each given row.
 
     A row stops at a stop token or after `budgets[r]` tokens. Row r draws step
     i of its reply with keys[r] folded with row_ids[r], then with offsets[r] + i
@@ -610,41 +708,41 @@ class Sampler:
     greedy decoding needs no keys. `stop_after_finished` > 0 ends the chunk
     early once that many rows finished (their places can then be refilled).
 
-    The call decodes `row_bucket(shards x m)` rows, m the most `rows` any one
-    data shard holds (`RowBatch.shard`): choose rows spread evenly over the
-    shards, a multiple of `data_parallel_size()` of them, and none is padding.
+    The call decodes `rb.width_for(shards x m)` rows, m the most `rows` any
+    one data shard holds (`RowBatch.shard`): choose rows spread evenly over
+    the shards, as many as a width (`rb.widths`), and none is padding.
     """
     start = time.perf_counter()
-    steps = steps or self.decode_chunk_steps
+    steps = self.decode_chunk_steps
     if any(b < 1 for b in budgets):
       raise ValueError(f"budgets {list(budgets)}: every row needs at least one token")
-    index, global_index, slot_of_row = self._row_index(rb, rows, self.row_bucket)
+    index, global_index, slot_of_row = self._row_index(rb, rows)
     needed = max(int(rb.lengths[r]) + min(b, steps) for r, b in zip(rows, budgets))
-    rb.cache = self._grown(rb.cache, needed)
+    self._fit(rb, needed)
     width = len(index)
+    call = RowCall("decode_rows", width, rb.capacity, rb.slots_for(needed))
 
     def pad(values):  # each row's value at its slot, 0 (a budget of 0: not decoded) elsewhere
       padded = np.zeros(width, np.int32)
       padded[slot_of_row] = values
       return padded
 
-    if keys is None:
-      if params.temperature:
-        raise ValueError("sampling at temperature > 0 needs keys")
-      keys = [jax.random.key(0)] * len(rows)  # drawn from by no row: greedy takes the argmax
-    slot_keys = [keys[0]] * width
-    for k, key in zip(slot_of_row, keys):
-      slot_keys[k] = key
-    keys_k = jnp.stack(slot_keys)
+    if keys is None and params.temperature:
+      raise ValueError("sampling at temperature > 0 needs keys")
+    # Raw key data, one row per slot (greedy decoding draws from no key: zeros).
+    key_data_kd = np.zeros((width,) + key_data_shape(), np.uint32)
+    if keys is not None:
+      key_data_kd[slot_of_row] = [np.asarray(jax.random.key_data(key)) for key in keys]
+    program = self._row_executable(rb, call, params)
     with partitioning.mesh_context(self.mesh):
-      out = self._decode_rows(
+      out = program(
           self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
           self._put(global_index, ("batch",)), self._put(pad(budgets), ("batch",)),
-          self._put(keys_k, ("batch",)), self._put(pad(row_ids), ("batch",)),
+          self._put(key_data_kd, ("batch", None)), self._put(pad(row_ids), ("batch",)),
           self._put(pad(offsets), ("batch",)),
-          jnp.float32(params.temperature or 1.0), jnp.float32(params.top_p),
-          jnp.int32(stop_after_finished or width + 1), steps=steps,
-          slots=self._attended_slots(rb, needed), **params.static())
+          self._put(np.float32(params.temperature or 1.0), ()),
+          self._put(np.float32(params.top_p), ()),
+          self._put(np.int32(stop_after_finished or width + 1), ()))
       tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run, rb.cache, rb.logits_bv = out
     tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run = jax.device_get(
         (tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run))
@@ -655,7 +753,7 @@ class Sampler:
                 for stopped, count, budget in zip(stopped_k, counts_k, budgets)]
     rb.lengths[list(rows)] += counts_k
     self.stats.add(time.perf_counter() - start, width, int(steps_run), int(counts_k.sum()),
-                   int(rb.lengths[list(rows)].sum()), width * rb.capacity)
+                   int(rb.lengths[list(rows)].sum()), width * call.slots)
     return RowChunk(tokens=[t[:count].tolist() for t, count in zip(tokens_kn, counts_k)],
                     logprobs=[lp[:count].tolist() for lp, count in zip(logprobs_kn, counts_k)],
                     finished=finished, stopped=[bool(stopped) for stopped in stopped_k],
@@ -690,32 +788,19 @@ class RowCall:
     return f"sampler/{self.kind}[w={self.width}{chunk},s={self.slots},c={self.capacity}]"
 
 
-def _powers_of_two(low: int, high: int) -> list[int]:
-  return [1 << n for n in range(low.bit_length() - 1, high.bit_length()) if low <= 1 << n <= high]
-
-
-def row_calls(num_rows: int, max_tokens: int, longest_feed: int, shards: int,
-              min_chunk_bucket: int = MIN_CHUNK_BUCKET,
-              min_cache_bucket: int = MIN_CACHE_BUCKET) -> list[RowCall]:
-  """Every row-program shape a `RowBatch` of `num_rows` rows (`start_rows`), whose rows
-  hold at most `max_tokens` tokens and are fed at most `longest_feed` tokens at once, can
-  compile on `shards` data shards: prefill widths (`_batch_bucket`), decode widths
-  (`row_bucket`), chunk lengths, attended slots, and the capacities the cache grows through.
-  Which of them a rollout meets depends on the order of its events; the set is what it may.
-  """
-  batch = math.lcm(num_rows, shards)
-  capacities = _powers_of_two(min_cache_bucket, bucket_size(max_tokens, min_cache_bucket))
-  prefill_widths = sorted({math.lcm(bucket_size(n), shards) for n in range(1, batch + 1)})
-  decode_widths = row_bucket_sizes(batch, shards)
-  chunks = _powers_of_two(min_chunk_bucket,
-                          bucket_size(min(longest_feed, max_tokens), min_chunk_bucket))
-  calls = []
-  for capacity in capacities:
-    for slots in _powers_of_two(min_cache_bucket, capacity):
-      calls += [RowCall("decode_rows", width, capacity, slots) for width in decode_widths]
-      calls += [RowCall("prefill_rows", width, capacity, slots, chunk)
-                for width in prefill_widths for chunk in chunks if chunk <= slots]
-  return calls
+def row_program_set(batch_rows: int, capacity: int, shards: int,
+                    min_slots: int = MIN_CACHE_BUCKET,
+                    prefill_chunk: int = PREFILL_CHUNK) -> list[RowCall]:
+  """Every row program a `RowBatch` of `batch_rows` rows (a multiple of `shards`, the data
+  shards) with `capacity` slots a row runs, whatever order its rows are called in: a decode
+  chunk at each width (`RowBatch.widths`) and slot count (`RowBatch.slot_levels`), a
+  prefill of `prefill_chunk` tokens at each width over the whole capacity. The planner
+  compiles these; `Sampler.compile_rows` compiles them ahead of a rollout."""
+  widths = row_widths(batch_rows, shards)
+  return ([RowCall("decode_rows", width, capacity, slots)
+           for width in widths for slots in attended_slot_levels(capacity, min_slots)] +
+          [RowCall("prefill_rows", width, capacity, capacity, prefill_chunk)
+           for width in widths])
 
 
 def batch_programs(graphdef, stop_token_ids: Sequence[int], pad_id: int):
@@ -728,11 +813,34 @@ def batch_programs(graphdef, stop_token_ids: Sequence[int], pad_id: int):
   return prefill, decode
 
 
-def _abstract_cache(config: qwen2.Qwen2Config, mesh: Mesh, rows: int, capacity: int,
+def key_data_shape() -> tuple[int, ...]:
+  """The shape of one key's raw data (`jax.random.key_data`) under the default PRNG."""
+  return jax.eval_shape(lambda: jax.random.key_data(jax.random.key(0))).shape
+
+
+def _placed(mesh: Mesh | None, shape, dtype, logical_axes) -> jax.ShapeDtypeStruct:
+  """An abstract array placed as `partitioning.place` places a real one (the leading
+  `logical_axes`, the rest replicated); unplaced without a mesh."""
+  if mesh is None:
+    return jax.ShapeDtypeStruct(shape, dtype)
+  axes = tuple(logical_axes) + (None,) * (len(shape) - len(logical_axes))
+  return jax.ShapeDtypeStruct(shape, dtype,
+                              sharding=partitioning.named_sharding(axes, shape, mesh))
+
+
+def _abstract_like(tree, mesh: Mesh | None):
+  """Abstract arrays of `tree`'s arrays, with their placement on `mesh` (none without)."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=None if mesh is None else x.sharding), tree)
+
+
+def _abstract_cache(config: qwen2.Qwen2Config, mesh: Mesh | None, rows: int, capacity: int,
                     cache_dtype, layers_as_list: bool, per_row: bool) -> KVCache:
   """An empty cache of abstract arrays placed as `Sampler._place_cache` places a real one."""
   init = KVCache.init_rows if per_row else KVCache.init
   cache = jax.eval_shape(lambda: init(config, rows, capacity, cache_dtype, layers_as_list))
+  if mesh is None:
+    return cache
   kv_sharding = lambda x: partitioning.named_sharding(KV_CACHE_AXES[-x.ndim:], x.shape, mesh)
   cache = cache.map_kv(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv_sharding(x)))
   return cache.replace(
@@ -776,10 +884,11 @@ def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: R
                 stop_token_ids: Sequence[int] = (0,), pad_id: int = 0,
                 steps: int = DECODE_CHUNK_STEPS) -> programs.Program:
   """`call` of the row programs (`row_programs`) that decode from `params` (abstract,
-  placed on `mesh`) for a `RowBatch` of `rows` rows, as the planner compiles it."""
+  placed on `mesh`, or on one device with `mesh` None) for a `RowBatch` of `rows` rows, as
+  the sampler and the planner compile it."""
   cache = _abstract_cache(config, mesh, rows, call.capacity, cache_dtype, layers_as_list,
                           per_row=True)
-  on_rows = lambda shape, dtype: programs.rows(mesh, shape, dtype)
+  on_rows = lambda shape, dtype: _placed(mesh, shape, dtype, ("batch",))
   logits_bv = on_rows((rows, config.vocab_size), jnp.float32)
   width = call.width
   index_k, rows_k = on_rows((width,), jnp.int32), on_rows((width,), jnp.int32)
@@ -790,11 +899,11 @@ def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: R
             on_rows((width, call.chunk), jnp.bool_), on_rows((width,), jnp.bool_))
     return programs.Program(prefill, args, mesh, {"slots": call.slots}, resident=params,
                             work={**work, "tokens": call.chunk})
-  scalar = lambda dtype: programs.replicated(mesh, (), dtype)
-  key_k = on_rows((width,), jax.eval_shape(lambda: jax.random.key(0)).dtype)
+  scalar = lambda dtype: _placed(mesh, (), dtype, ())
+  key_data_kd = on_rows((width,) + key_data_shape(), jnp.uint32)
   per_row = lambda: on_rows((width,), jnp.int32)  # budgets, row ids, offsets
-  args = (params, cache, logits_bv, index_k, rows_k, per_row(), key_k, per_row(), per_row(),
-          scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32))
+  args = (params, cache, logits_bv, index_k, rows_k, per_row(), key_data_kd, per_row(),
+          per_row(), scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32))
   static = {"steps": steps, "slots": call.slots, **sampling.static()}
   return programs.Program(decode, args, mesh, static, resident=params,
                           work={**work, "tokens": steps})
@@ -869,8 +978,13 @@ def _scatter_rows(cache: KVCache, logits_bv, index_k, rows_k, rows: KVCache, row
                   rows.kv_positions_bs, row_logits_kv),
       _ROW_ARRAYS_BATCH_DIMS + (-1,) + _ROW_ARRAYS_BATCH_DIMS, _ROW_ARRAYS_BATCH_DIMS)
   length = cache.length.at[rows_k].set(rows.length, mode="drop")
-  return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs,
-                 length=partitioning.constrain(length, (None,))), logits_bv
+  # Pinned where `Sampler.start_rows` places them: a row program's outputs are its next
+  # call's inputs, and a compiled program takes its inputs only where it was compiled for.
+  pin_kv = lambda x: partitioning.constrain(x, KV_CACHE_AXES[-x.ndim:])
+  return KVCache(k=jax.tree.map(pin_kv, k), v=jax.tree.map(pin_kv, v),
+                 kv_positions_bs=partitioning.constrain(kv_positions_bs, ("batch", None)),
+                 length=partitioning.constrain(length, (None,))), partitioning.constrain(
+                     logits_bv, ("batch", None))
 
 
 def _prefill_rows(graphdef, state, cache, logits_bv, index_k, rows_k, tokens_kt, mask_kt,
@@ -952,8 +1066,8 @@ def _sampler_fn(temperature, top_p, greedy, top_k, use_top_p):
 
 
 def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, index_k, rows_k,
-                 budget_k, key_k, row_id_k, offset_k, temperature, top_p, stop_after_finished, *, steps,
-                 slots, greedy, top_k, use_top_p):
+                 budget_k, key_data_kd, row_id_k, offset_k, temperature, top_p,
+                 stop_after_finished, *, steps, slots, greedy, top_k, use_top_p):
   """One chunk of decode steps on the gathered rows, written back at the end.
 
   Attends over the first `slots` cache slots only (enough for every row's tokens after the
@@ -962,7 +1076,7 @@ def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, inde
   """
   model = nnx.merge(graphdef, state)
   rows, row_logits_kv = _gather_rows(cache, logits_bv, index_k, rows_k, slots)
-  row_keys_k = jax.vmap(jax.random.fold_in)(key_k, row_id_k)
+  row_keys_k = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(key_data_kd), row_id_k)
   step, tokens_kn, logprobs_kn, counts_k, stopped_k, row_logits_kv, rows = _decode_loop(
       model, stop_token_ids, pad_id, _sampler_fn(temperature, top_p, greedy, top_k, use_top_p),
       rows, row_logits_kv, budget_k <= 0, budget_k, row_keys_k, offset_k, stop_after_finished,

@@ -8,11 +8,16 @@ loop, between jitted decode chunks:
   1. takes the user turns the simulator has answered (their dialogues are ready);
   2. prefills every ready dialogue's new tokens into its row, at its own offset;
   3. decodes one chunk for the dialogues decoding, longest-waiting first: the
-     largest compiled row count that they fill (none is padding; the few left
-     over go first next chunk), as many rows from every data shard (a row
-     call gathers rows per shard, see `rows_to_decode`), ending the chunk as
-     soon as one reply is done;
+     largest row call width that they fill (none is padding; those left over
+     go first next chunk), as many rows from every data shard (a row call
+     gathers rows per shard, see `rows_to_decode`), ending the chunk as soon
+     as one reply is done;
   4. hands each finished reply to the simulator without waiting for it.
+
+The rows start with room for a whole dialogue (`row_capacity`) and the
+engine compiles the sampler's fixed set of row programs for them before the
+first prefill (`Sampler.compile_rows`), so no order of simulator answers
+needs a program not compiled yet.
 
 A dialogue with the simulator keeps its cache and costs no decode work. With
 a server-backed simulator (one with `max_concurrency`: the HTTP backend) user
@@ -37,7 +42,7 @@ from typing import Callable, Iterable, Sequence
 
 import jax
 
-from models.sampler import Sampler, row_bucket_sizes
+from models.sampler import Sampler, bucket_size
 from rl.agent import Agent
 from rl.rollout import RolloutConfig, end_if_over_budget
 from sim_user.simulator import Dialogue, SimulatedUser
@@ -57,21 +62,31 @@ def run(sampler: Sampler, agent: Agent, user: SimulatedUser, dialogues: Sequence
       pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
 
 
-def rows_to_decode(decoding: Iterable[int], shard: Callable[[int], int], shards: int) -> list[int]:
+def row_capacity(config: RolloutConfig, first_feed_tokens: int) -> int:
+  """Cache slots a dialogue's row starts with: its opening feed, the agent's token budget
+  and one more reply (the budget is checked after a reply), as a bucket size. User turns
+  come out of the same room; a dialogue that still outgrows it grows the cache."""
+  return bucket_size(first_feed_tokens + config.max_dialogue_tokens + config.max_new_tokens)
+
+
+def rows_to_decode(decoding: Iterable[int], shard: Callable[[int], int], shards: int,
+                   widths: Sequence[int]) -> list[int]:
   """The rows one decode chunk takes from `decoding` (longest-waiting first), in that order.
 
   A row call decodes the same number of rows on each of the `shards` data
   shards (`Sampler.decode_rows`), so the chunk takes q rows of every shard
-  (`shard(row)`): the largest compiled count per shard (`row_bucket_sizes`)
-  that every shard fills, so no row is padding; when some shard has no row
-  decoding, the largest that the fullest shard fills (the others pad).
+  (`shard(row)`): the largest call width per shard (`widths`, `RowBatch.widths`)
+  that every shard fills, so no row is padding; when no width is filled (some
+  shard has none decoding, or fewer rows decode than the narrowest width), the
+  largest that the fullest shard fills, or the narrowest (the others pad).
   """
   decoding = list(decoding)
   per_shard = collections.Counter(shard(row) for row in decoding)
   fullest = max(per_shard.values())
   fill = min(per_shard.values()) if len(per_shard) == shards else fullest
-  q = max(size // shards for size in row_bucket_sizes(shards * fullest, shards)
-          if size // shards <= fill)
+  per_shard_widths = [width // shards for width in widths]
+  q = max((w for w in per_shard_widths if w <= fill),
+          default=min(per_shard_widths))
   taken = collections.Counter()
   chosen = []
   for row in decoding:
@@ -86,7 +101,7 @@ class _Engine:
   def __init__(self, sampler, agent, user, dialogues, config, turn_key, pool):
     self.sampler, self.agent, self.user, self.pool = sampler, agent, user, pool
     self.dialogues, self.config, self.turn_key = dialogues, config, turn_key
-    self.rows = sampler.start_rows(len(dialogues))
+    self.rows = None  # started at the first prefill, when the opening feeds are known
     self.turns = [0] * len(dialogues)  # agent turns taken per dialogue
     self.ready = collections.deque(i for i, d in enumerate(dialogues) if not d.done)
     self.decoding = collections.deque()  # prefilled, reply in progress; longest-waiting first
@@ -146,6 +161,10 @@ class _Engine:
     rows = list(self.ready)
     self.ready.clear()
     feeds = [self.agent.next_tokens(self.dialogues[i], i) for i in rows]
+    if self.rows is None:
+      capacity = row_capacity(self.config, max(len(feed) for feed in feeds))
+      self.rows = self.sampler.start_rows(len(self.dialogues), capacity)
+      self.sampler.compile_rows(self.rows, self.agent.sampling)
     self.sampler.prefill_rows(self.rows, rows, feeds, restart=self.agent.restarts_rows)
     for i, feed in zip(rows, feeds):
       self.replies[i] = (feed, [], [])
@@ -153,7 +172,7 @@ class _Engine:
 
   def _decode_chunk(self) -> None:
     sampler, agent = self.sampler, self.agent
-    chosen = rows_to_decode(self.decoding, self.rows.shard, self.rows.shards)
+    chosen = rows_to_decode(self.decoding, self.rows.shard, self.rows.shards, self.rows.widths)
     taken = set(chosen)
     self.decoding = collections.deque(i for i in self.decoding if i not in taken)
     drawn = [len(self.replies[i][1]) for i in chosen]

@@ -15,10 +15,10 @@ updates; with gradient accumulation its `gradients`, `accumulate_gradients`
 and `apply_gradients`), the sampler's weight refresh (`WeightCopy`) and the
 rollout engine's row programs (`Sampler.prefill_rows` / `decode_rows`), on
 host 0's devices as the sampler runs on each host's own. The row programs
-are keyed by width, chunk, attended slots and cache capacity
-(`sampler.row_calls` lists every key a step can meet); `--row_programs=all`
-compiles each, the default `bounding` only the largest of each kind (the
-others need less memory) and counts the rest.
+are a fixed set of at most 12 widths and attended slots at one capacity
+(`sampler.row_program_set`, what the sampler compiles before a rollout);
+`--row_programs=all` compiles each, the default `bounding` only the largest
+of each kind (the others need less memory) and counts the rest.
 
 Each program is lowered with abstract arrays carrying their shardings and
 compiled; its memory analysis gives bytes per device. What stays resident
@@ -71,7 +71,7 @@ from models import attention, partitioning, programs, qwen2, topology  # noqa: E
 from models import sampler as sampler_lib  # noqa: E402
 from models.errors import UserInputError  # noqa: E402
 from models.programs import Program  # noqa: E402
-from rl import learner, step, updates  # noqa: E402
+from rl import engine, learner, step, updates  # noqa: E402
 from rl.losses import LossConfig  # noqa: E402
 from rlver_jax import costs, simulator_factory  # noqa: E402
 
@@ -85,9 +85,9 @@ class PlanSpec(step.StepShape):
   shapes (`rl.step.StepShape`), and the models, mesh, sampler and rollout around them.
 
   `dialogues` is the step's dialogue count over all hosts (the rollout rows);
-  `cache_len` the slots a dialogue's cache row grows to; `prefill_len` the most
-  tokens fed to a row at once; `dialogue_tokens` the policy's tokens per
-  dialogue assumed by the time estimate.
+  `cache_len` the slots of a dialogue's cache row (a bucket size); `prefill_chunk`
+  the tokens one prefill call feeds a row; `dialogue_tokens` the policy's tokens
+  per dialogue assumed by the time estimate.
   """
   model: qwen2.Qwen2Config
   model_name: str
@@ -101,7 +101,7 @@ class PlanSpec(step.StepShape):
   sampling_layout: str = "train"
   dialogues: int = 0  # 0: micro_batch x grad_accum
   cache_len: int = 0  # 0: seq_len
-  prefill_len: int = 0  # 0: cache_len // 2
+  prefill_chunk: int = 0  # 0: the sampler's PREFILL_CHUNK
   dialogue_tokens: int = 0  # 0: cache_len // 2
   sampling: sampler_lib.SamplingParams = sampler_lib.SamplingParams()
   temperature: float = 1.0
@@ -121,7 +121,7 @@ class PlanSpec(step.StepShape):
                            f"{', '.join(ROW_PROGRAM_CHOICES)}")
     cache_len = self.cache_len or self.seq_len
     object.__setattr__(self, "cache_len", cache_len)
-    object.__setattr__(self, "prefill_len", self.prefill_len or cache_len // 2)
+    object.__setattr__(self, "prefill_chunk", self.prefill_chunk or sampler_lib.PREFILL_CHUNK)
     object.__setattr__(self, "dialogue_tokens", self.dialogue_tokens or cache_len // 2)
     object.__setattr__(self, "dialogues", self.dialogues or self.micro_batch * self.grad_accum)
     object.__setattr__(self, "remat", qwen2.remat_policy_name(self.remat))
@@ -273,7 +273,10 @@ class _Planner:
                                                             self.policy_on_host[1])
     shards = math.prod(self.local_mesh.shape[a]
                        for a in partitioning.mesh_axes("batch", self.local_mesh))
-    calls = sampler_lib.row_calls(self.rows_per_host, spec.cache_len, spec.prefill_len, shards)
+    calls = sampler_lib.row_program_set(
+        math.lcm(self.rows_per_host, shards), sampler_lib.bucket_size(
+            spec.cache_len, sampler_lib.MIN_CACHE_BUCKET), shards,
+        prefill_chunk=spec.prefill_chunk)
     bounding = _row_programs_to_compile(calls, "bounding")
     for call in _row_programs_to_compile(calls, choice):
       program = sampler_lib.row_program(graphdef, weights, spec.model, self.local_mesh, call,
@@ -330,7 +333,7 @@ def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None,
             "sampler_mesh": dict(local_mesh.shape), "micro_batch": spec.micro_batch,
             "seq_len": spec.seq_len, "grad_accum": spec.grad_accum,
             "minibatches": spec.minibatches, "dialogues": spec.dialogues,
-            "cache_len": spec.cache_len, "prefill_len": spec.prefill_len,
+            "cache_len": spec.cache_len, "prefill_chunk": spec.prefill_chunk,
             "dtype": spec.dtype, "param_dtype": spec.param_dtype, "remat": spec.remat,
             "attention": spec.attention, "sampling_dtype": spec.sampling_dtype if spec.sampler
             else "", "sampling_layout": spec.sampling_layout,
@@ -486,7 +489,8 @@ def _define_flags() -> None:
   flags.DEFINE_integer("grad_accum", None, "micro-batches per update (default 1, or the "
                        "config's optim.grad_accum)")
   flags.DEFINE_integer("cache_len", None, "sampler cache slots per row (default seq_len)")
-  flags.DEFINE_integer("prefill_len", None, "longest sampler prefill chunk (default cache/2)")
+  flags.DEFINE_integer("prefill_chunk", None, "tokens one sampler prefill call feeds a row (default "
+                       f"{sampler_lib.PREFILL_CHUNK})")
   flags.DEFINE_integer("dialogue_tokens", None, "the policy's tokens per dialogue, for the "
                        "time estimate (default cache/2)")
   flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
@@ -531,7 +535,7 @@ class Overrides:
   seq_len: int | None = None
   grad_accum: int | None = None
   cache_len: int | None = None
-  prefill_len: int | None = None
+  prefill_chunk: int | None = None
   dialogue_tokens: int | None = None
   row_programs: str = "bounding"
   sim_model: str = "qwen2.5-7b"  # the in-process simulator's, where its checkpoint has none
@@ -579,7 +583,9 @@ def spec_from_config(config, overrides: Overrides = Overrides()) -> PlanSpec:
       remat=config.policy.remat_policy if config.policy.remat else "none",
       attention=config.policy.attention, sampling_dtype=rollout.sampling_dtype,
       sampling_layout=rollout.sampling_layout, dialogues=dialogues,
-      cache_len=o.cache_len or 0, prefill_len=o.prefill_len or 0,
+      # The rows' capacity as the engine sets it, less the opening feed (a bucket's slack).
+      cache_len=o.cache_len or engine.row_capacity(rollout, 0),
+      prefill_chunk=o.prefill_chunk or 0,
       dialogue_tokens=o.dialogue_tokens or 0,
       sampling=sampler_lib.SamplingParams(temperature=rollout.temperature, top_k=rollout.top_k,
                                           top_p=rollout.top_p),
@@ -614,7 +620,7 @@ def spec_from_flags(FLAGS) -> PlanSpec:
       param_dtype=FLAGS.param_dtype, remat=FLAGS.remat, attention=FLAGS.attention,
       sampler=FLAGS.sampler, sampling_dtype=FLAGS.sampling_dtype,
       sampling_layout=FLAGS.sampling_layout, cache_len=o.cache_len or 0,
-      prefill_len=o.prefill_len or 0, dialogue_tokens=o.dialogue_tokens or 0,
+      prefill_chunk=o.prefill_chunk or 0, dialogue_tokens=o.dialogue_tokens or 0,
       row_programs=o.row_programs)
 
 

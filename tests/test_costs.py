@@ -23,7 +23,7 @@ def test_analytic_flops_match_xlas_count_on_loop_free_programs():
                                                                          "tensor": 1},
                        micro_batch=4, seq_len=256, remat="none", dtype="float32",
                        sampling_dtype="float32",  # no per-step cast of the weights to count
-                       reference=True, dialogues=4, cache_len=256, prefill_len=64)
+                       reference=True, dialogues=4, cache_len=256, prefill_chunk=64)
   planner = plan._Planner(spec, jax.devices()[:1])
   programs = planner.learner_programs()
   programs.update(planner.sampler_programs("train", "bounding")[0])

@@ -2,7 +2,9 @@
 the lockstep one."""
 
 import dataclasses
+import random
 import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +13,7 @@ import pytest
 from flax import nnx
 
 from models import partitioning, qwen2
-from models.sampler import Sampler, SamplingParams, row_bucket_sizes
+from models.sampler import Sampler, SamplingParams, ladder, row_program_set
 from rl import rollout as rollout_lib
 from rl.engine import rows_to_decode
 from rlver_jax import policy as policy_lib
@@ -40,8 +42,10 @@ def reference(model):
 
 @pytest.fixture(scope="module")
 def row_sampler(model):
-  """Chunks of 3 steps and a 16-slot cache to start with: several chunks per reply, growth."""
-  return Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=3)
+  """Chunks of 3 steps, prefills of 4 tokens and a 16-slot cache to start with: several
+  chunks per reply and per prompt, growth."""
+  return Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=3,
+                 prefill_chunk=4)
 
 
 def decode_all(sampler, rb, rows, params, width, key=None, row_ids=None):
@@ -104,14 +108,15 @@ def test_rows_continue_restart_and_match_a_full_forward_pass(model, reference, r
     np.testing.assert_allclose(logprobs, logp_btv[b, steps, reply], atol=1e-4)
 
 
-def test_short_rows_in_a_long_cache_attend_over_their_own_bucket(reference, row_sampler):
-  long_prompt = list(range(30, 70))  # grows the cache to 64 slots
+def test_short_rows_in_a_long_cache_attend_over_their_own_bucket(model, reference):
+  row_sampler = Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=3)
+  long_prompt = list(range(30, 70))
   expected = reference.generate([long_prompt, PROMPTS[1]], GREEDY)
-  rb = row_sampler.start_rows(2)
+  rb = row_sampler.start_rows(2, capacity=256)
   row_sampler.prefill_rows(rb, [0, 1], [long_prompt, PROMPTS[1]])
-  assert rb.capacity == 64
-  # Row 1 alone: its chunks attend over 16 slots (its bucket), not the cache's 64.
-  assert row_sampler._attended_slots(rb, len(PROMPTS[1]) + 3) == 16
+  assert rb.slot_levels == (16, 64, 256)
+  # Row 1 alone: its chunks attend over 16 slots (its level), not the cache's 256.
+  assert rb.slots_for(len(PROMPTS[1]) + 3) == 16 and rb.slots_for(len(long_prompt) + 3) == 64
   short, _ = decode_all(row_sampler, rb, [1], GREEDY, width=1)
   long, _ = decode_all(row_sampler, rb, [0], GREEDY, width=1)
   assert [long[0], short[0]] == expected.tokens
@@ -153,14 +158,18 @@ def test_rows_spread_unevenly_over_data_shards_equal_the_batch_sampler(model, re
 
 
 def test_each_chunk_takes_as_many_rows_from_every_data_shard():
-  # One shard: the largest compiled row count the decoding rows fill, longest-waiting first.
-  assert rows_to_decode([5, 3, 0, 1, 2, 4, 6, 7, 8], lambda row: 0, 1) == [5, 3, 0, 1, 2, 4, 6, 7]
+  # One shard: the largest width the decoding rows fill, longest-waiting first.
+  one = lambda row: 0
+  assert rows_to_decode([5, 3, 0, 1, 2, 4, 6, 7, 8], one, 1, (2, 8, 32)) == [5, 3, 0, 1, 2, 4, 6, 7]
+  assert rows_to_decode([5, 3, 0], one, 1, (2, 8, 32)) == [5, 3]
+  # Fewer rows than the narrowest width: all of them (the call pads).
+  assert rows_to_decode([5], one, 1, (2, 8, 32)) == [5]
   # Two shards of 4 rows: shard 1 has 2 rows decoding, so 2 of each, none padding.
   two = lambda row: row // 4
-  assert rows_to_decode([5, 0, 1, 6, 2, 3], two, 2) == [5, 0, 1, 6]
-  assert rows_to_decode([4, 0, 5, 1, 6, 2, 7], two, 2) == [4, 0, 5, 1, 6, 2]
+  assert rows_to_decode([5, 0, 1, 6, 2, 3], two, 2, (2, 4, 8)) == [5, 0, 1, 6]
+  assert rows_to_decode([4, 0, 5, 1, 6, 2, 7], two, 2, (2, 4, 8)) == [4, 0, 5, 1]
   # Shard 1 has none: shard 0's rows go, shard 1 pads.
-  assert rows_to_decode([2, 0, 1], two, 2) == [2, 0, 1]
+  assert rows_to_decode([2, 0, 1], two, 2, (2, 4, 8)) == [2, 0]
 
 
 @pytest.mark.parametrize("layout", ["decode", "train"])
@@ -188,21 +197,25 @@ def test_bf16_sampling_weights_refresh_without_recompiling(model, layout):
   other = qwen2.init_random(CONFIG, seed=1)
   sampler.update_weights(other)
   assert all(x.is_deleted() for x in weights)  # refreshed into the old copy's buffers
-  programs = (sampler._decode, sampler._prefill_rows, sampler._decode_rows)
-  compiled = [program._cache_size() for program in programs]
+  compiled = sampler._decode._cache_size(), len(sampler._row_executables)
   refreshed = sampler.generate(PROMPTS, GREEDY).tokens
   rb = sampler.start_rows(len(PROMPTS))
   sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
   assert decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=4)[0] == refreshed
-  assert [program._cache_size() for program in programs] == compiled
+  assert (sampler._decode._cache_size(), len(sampler._row_executables)) == compiled
   assert refreshed != expected.tokens
 
 
-def test_row_buckets_pad_little():
-  sizes = row_bucket_sizes(100)
-  assert sizes[:8] == list(range(1, 9)) and sizes[-1] >= 100
-  assert all(b <= 1.5 * a for a, b in zip(sizes[7:], sizes[8:]))
-  assert row_bucket_sizes(30, multiple=4) == [4, 8, 12, 16, 24, 32]
+def test_row_programs_are_a_fixed_set_of_at_most_16():
+  assert ladder(32, 4) == (2, 8, 32)
+  assert ladder(8192, 4, 256) == (512, 2048, 8192)
+  assert ladder(6, 4, 4, 4) == (4, 8)  # multiples of 4 data shards, at least one row each
+  assert ladder(512, 4, 256) == (256, 512)
+  for rows, capacity, shards in [(32, 8192, 1), (128, 16384, 8), (16, 1024, 2), (3, 256, 1)]:
+    calls = row_program_set(rows, capacity, shards)
+    assert len(calls) <= 12 and len(set(calls)) == len(calls)
+    assert {c.capacity for c in calls} == {capacity}
+    assert all(c.width % shards == 0 and c.width <= rows for c in calls)
 
 
 # The continuous engine against the lockstep one, on a tiny chat model and the scripted user.
@@ -302,3 +315,57 @@ def test_a_slow_failing_simulator_call_does_not_hold_up_other_dialogues(chat_pol
   assert slow.end_reason == "simulator_error" and slow.agent_turns == 1
   assert all(d.agent_turns > 1 and d.end_reason != "simulator_error" for d in others)
   assert [d.history for d in rollout.dialogues] == [d.history for d in first.dialogues]
+
+
+class AnswersInRandomOrder(ScriptedBackend):
+  """A server-like backend that answers each call after a random delay, so each rollout
+  meets its own order of user turns."""
+
+  max_concurrency = 8
+
+  def __init__(self, seed):
+    self.rng, self.lock = random.Random(seed), threading.Lock()
+
+  def complete(self, requests):
+    with self.lock:
+      delay = self.rng.uniform(0.0, 0.05)
+    time.sleep(delay)
+    return super().complete(requests)
+
+
+COMPILED = []  # programs XLA compiled while a test records (see `compiled_during`)
+
+
+def _count_compile(event, seconds, **kwargs):
+  if event == "/jax/core/compile/backend_compile_duration" and COMPILED:
+    COMPILED[-1] += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compile)
+
+
+def compiled_during(fn):
+  COMPILED.append(0)
+  try:
+    fn()
+    return COMPILED[-1]
+  finally:
+    COMPILED.pop()
+
+
+def test_the_engine_compiles_its_fixed_program_set_once_whatever_the_order(chat_policy):
+  chat, formatter, demo = chat_policy
+  sampler = Sampler(nnx.merge(chat.graphdef, chat.state), stop_token_ids=chat.stop_token_ids,
+                    pad_id=chat.pad_id, decode_chunk_steps=4)
+  config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=1.0, max_dialogue_tokens=30,
+                                     samples_per_profile=2)
+  rollouts = []
+  collect = lambda seed: rollouts.append(rollout_lib.collect(
+      sampler, formatter, make_user(AnswersInRandomOrder(seed)), demo, config,
+      jax.random.key(seed)))
+  first = compiled_during(lambda: collect(0))
+  assert len(sampler._row_executables) == len(row_program_set(6, sampler.row_capacity, 1))
+  assert first <= 16
+  # Other answers in another order, other sampled replies: nothing new to compile.
+  assert compiled_during(lambda: collect(1)) == 0
+  assert [d.history for d in rollouts[0].dialogues] != [d.history for d in rollouts[1].dialogues]

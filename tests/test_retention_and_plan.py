@@ -96,7 +96,7 @@ def test_plan_compiles_every_program_on_eight_fake_devices():
   programs = sharded["programs"]
   assert set(programs) == {"policy/update", "critic/values", "critic/update",
                            "reference/logprobs", "sampler/refresh_weights",
-                           "sampler/prefill_rows[w=8,t=64,s=256,c=256]",
+                           "sampler/prefill_rows[w=8,t=128,s=256,c=256]",
                            "sampler/decode_rows[w=8,s=256,c=256]"}
   assert sharded["row_programs"]["compiled"] == 2 < sharded["row_programs"]["possible"]
   assert sharded["devices"] == 8 and sharded["mesh"] == {"data": 1, "fsdp": 4, "tensor": 2}
