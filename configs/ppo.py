@@ -70,8 +70,8 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   # but +10.6 GiB per chip for 7B on a v5p-16). `python -m rlver_jax.plan --config=...`
   # `--topology=...` shows both, and which is faster where it fits.
   c.rollout.sampling_layout = "train"  # that copy's layout: train | decode
-  # 1: step n+1's dialogues are collected (in a background thread) with the weights that
-  # sampled step n while step n's update runs: faster steps, samples one update stale (the
+  # 1: step n+1's dialogues are collected (in a background thread) with the weights before
+  # step n's update while that update runs: faster steps, samples one update stale (the
   # losses' ratio uses the sampler's log-probs). One process only. 0: on-policy, as published.
   c.rollout.off_policy_steps = 0  # updates the rollout runs ahead of training: 0 | 1
 

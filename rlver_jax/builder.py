@@ -53,6 +53,8 @@ def _system_prompt(setting: str, knob: str, language: str, thinking: bool) -> st
 
 
 def train_rollout_config(config) -> rollout_lib.RolloutConfig:
+  """How one step's dialogues are collected. `rollout.off_policy_steps` is not among them: it
+  is when they are collected, the trainer's affair (`rlver_jax/off_policy.py`)."""
   r = config.rollout
   return rollout_lib.RolloutConfig(
       samples_per_profile=r.samples_per_profile,

@@ -1,6 +1,6 @@
 """One-step off-policy overlap (`rollout.off_policy_steps=1`): step n+1's dialogues are
-collected in a background thread, with the policy that sampled step n, while step n's
-update runs.
+collected in a background thread, with the policy of step n (the weights before its update),
+while step n's update runs.
 
 The trainer (`rlver_jax/trainer.py`) starts a `BackgroundRollout` right after it has step
 n's dialogues and before step n's update, from weights the update does not touch: the

@@ -13,7 +13,7 @@ config saved in W/config.json. Metrics go to W/metrics.jsonl and TensorBoard,
 the reward curve to W/reward_curve.png, the final policy to W/export.
 
 With `rollout.off_policy_steps=1` step n+1's dialogues are collected in a background
-thread, with the weights that sampled step n, while step n's update runs
+thread, with the weights before step n's update, while that update runs
 (`rlver_jax/off_policy.py`); a checkpoint still holds its own step's data position, and a
 rollout collected ahead is dropped by a stop and collected again on resume.
 """
