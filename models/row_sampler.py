@@ -98,6 +98,36 @@ class RowBatch:
     """The slot count a decode chunk whose rows hold up to `tokens` tokens attends over."""
     return next((s for s in self.slot_levels if s >= tokens), self.capacity)
 
+  def call_index(self, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Where a row call reads and writes `rows`: (index_k, rows_k, place of each row in them).
+
+    Each data shard gathers rows of its own only (no cache row crosses
+    shards), so `index_k` is laid out per shard: of its `width` entries, block
+    s (width / shards of them, the batch axis's split) holds the local ids in
+    shard s of the rows it holds, padded with an out-of-range id (read
+    clamped, written nowhere). `rows_k` holds the same rows' global ids, padded
+    with the batch size, for what every device holds whole (the lengths). The
+    width is `width_for(shards x the most rows any one shard holds)`: rows
+    spread evenly over the shards pad least.
+    """
+    if len(set(rows)) != len(rows) or any(not 0 <= r < self.num_rows for r in rows):
+      raise IndexError(f"rows {list(rows)}: need distinct rows in [0, {self.num_rows})")
+    by_shard = [[] for _ in range(self.shards)]
+    for place, row in enumerate(rows):
+      by_shard[self.shard(row)].append(place)
+    width = self.width_for(self.shards * max(len(places) for places in by_shard))
+    per_shard = width // self.shards
+    index_k = np.full(width, self.rows_per_shard, np.int32)
+    rows_k = np.full(width, self.batch_size, np.int32)
+    slot_of_row = np.empty(len(rows), np.int64)
+    for shard, places in enumerate(by_shard):
+      for i, place in enumerate(places):
+        slot = shard * per_shard + i
+        slot_of_row[place] = slot
+        rows_k[slot] = rows[place]
+        index_k[slot] = rows[place] - shard * self.rows_per_shard
+    return index_k, rows_k, slot_of_row
+
 
 @dataclasses.dataclass
 class RowChunk:
@@ -184,7 +214,7 @@ class RowSampler(SamplerBase):
     if self.mesh is None:
       return jax.jit(empty)
     abstract = abstract_cache(self.config, self.mesh, batch, capacity, self.cache_dtype,
-                               self.cache_layers_as_list, per_row=True)
+                              self.cache_layers_as_list, per_row=True)
     logits = programs.rows(self.mesh, (batch, self.config.vocab_size), jnp.float32)
     return jax.jit(empty, out_shardings=jax.tree.map(lambda x: x.sharding, (abstract, logits)))
 
@@ -229,37 +259,6 @@ class RowSampler(SamplerBase):
         self._row_executables[key] = program.fn.lower(*program.args, **program.static).compile()
     return self._row_executables[key]
 
-  def _row_index(self, rb: RowBatch, rows: Sequence[int]) -> tuple[np.ndarray, np.ndarray,
-                                                                     np.ndarray]:
-    """Where a row call reads and writes `rows`: (index_k, rows_k, place of each row in them).
-
-    Each data shard gathers rows of its own only (no cache row crosses
-    shards), so `index_k` is laid out per shard: of its `width` entries, block
-    s (width / shards of them, the batch axis's split) holds the local ids in
-    shard s of the rows it holds, padded with an out-of-range id (read
-    clamped, written nowhere). `rows_k` holds the same rows' global ids, padded
-    with the batch size, for what every device holds whole (the lengths). The
-    width is `rb.width_for(shards x the most rows any one shard holds)`: rows
-    spread evenly over the shards pad least.
-    """
-    if len(set(rows)) != len(rows) or any(not 0 <= r < rb.num_rows for r in rows):
-      raise IndexError(f"rows {list(rows)}: need distinct rows in [0, {rb.num_rows})")
-    by_shard = [[] for _ in range(rb.shards)]
-    for place, row in enumerate(rows):
-      by_shard[rb.shard(row)].append(place)
-    width = rb.width_for(rb.shards * max(len(places) for places in by_shard))
-    per_shard = width // rb.shards
-    index_k = np.full(width, rb.rows_per_shard, np.int32)
-    rows_k = np.full(width, rb.batch_size, np.int32)
-    slot_of_row = np.empty(len(rows), np.int64)
-    for shard, places in enumerate(by_shard):
-      for i, place in enumerate(places):
-        slot = shard * per_shard + i
-        slot_of_row[place] = slot
-        rows_k[slot] = rows[place]
-        index_k[slot] = rows[place] - shard * rb.rows_per_shard
-    return index_k, rows_k, slot_of_row
-
   def prefill_rows(self, rb: RowBatch, rows: Sequence[int], new_tokens: Sequence[Sequence[int]],
                    restart: bool = False) -> None:
     """Appends each row's new tokens at that row's own length (from 0 with `restart`), in
@@ -278,7 +277,7 @@ class RowSampler(SamplerBase):
 
   def _prefill_chunk(self, rb: RowBatch, rows: Sequence[int],
                      new_tokens: Sequence[Sequence[int]], restart: bool) -> None:
-    index, global_index, slot_of_row = self._row_index(rb, rows)
+    index, global_index, slot_of_row = rb.call_index(rows)
     call = RowCall("prefill_rows", len(index), rb.capacity, rb.capacity, self.prefill_chunk)
     tokens_kt = np.full((len(index), call.chunk), self.pad_id, np.int32)
     mask_kt = np.zeros((len(index), call.chunk), np.bool_)
@@ -319,7 +318,7 @@ class RowSampler(SamplerBase):
     steps = self.decode_chunk_steps
     if any(b < 1 for b in budgets):
       raise ValueError(f"budgets {list(budgets)}: every row needs at least one token")
-    index, global_index, slot_of_row = self._row_index(rb, rows)
+    index, global_index, slot_of_row = rb.call_index(rows)
     needed = max(int(rb.lengths[r]) + min(b, steps) for r, b in zip(rows, budgets))
     self._fit(rb, needed)
     width = len(index)
@@ -397,7 +396,7 @@ def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: R
   placed on `mesh`, or on one device with `mesh` None) for a `RowBatch` of `rows` rows, as
   the sampler and the planner compile it."""
   cache = abstract_cache(config, mesh, rows, call.capacity, cache_dtype, layers_as_list,
-                          per_row=True)
+                         per_row=True)
   on_rows = lambda shape, dtype: _placed(mesh, shape, dtype, ("batch",))
   logits_bv = on_rows((rows, config.vocab_size), jnp.float32)
   width = call.width
@@ -453,7 +452,7 @@ def _on_each_shard(fn, args, batch_dims, out_batch_dims):
   a list of them); other mesh axes are left to the partitioner.
 
   Each shard's entries of `index_k` are the local ids of rows it holds (see
-  `RowSampler._row_index`), so a row call moves no cache row between shards (the
+  `RowBatch.call_index`), so a row call moves no cache row between shards (the
   partitioner, left to take rows by global ids, all-gathers the whole cache).
   """
   axes = _batch_mesh_axes()
@@ -476,7 +475,7 @@ _ROW_ARRAYS_BATCH_DIMS = (-4, -4, -2, -2)
 def _gather_rows(cache: KVCache, logits_bv, index_k, rows_k, slots: int):
   """The first `slots` cache slots and the logits of the rows `index_k` names: per data
   shard, local ids of rows in that shard (out-of-range ids read the shard's last row);
-  `rows_k` are their global ids (see `RowSampler._row_index`)."""
+  `rows_k` are their global ids (see `RowBatch.call_index`)."""
 
   def take_local(k, v, kv_positions_bs, logits_bv, index_k):
     take = lambda x, axis: jnp.take(x, index_k, axis=axis, mode="clip")

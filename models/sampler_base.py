@@ -102,7 +102,7 @@ class SamplerBase:
         cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1)))
 
 
-def decode_step(model, stop_ids, pad_id, sample, step, step_keys_r, budget_r, tokens_rn,
+def _decode_step(model, stop_ids, pad_id, sample, step, step_keys_r, budget_r, tokens_rn,
                  logprobs_rn, counts_r, stopped_r, done_r, logits_rv, cache):
   """One token for every live row of a decode loop (rows r, columns n).
 
@@ -127,7 +127,7 @@ def decode_step(model, stop_ids, pad_id, sample, step, step_keys_r, budget_r, to
 
 
 def decode_loop(model, stop_token_ids, pad_id, sample, cache, logits_rv, done_r, budget_r,
-                 row_keys_r, offset_r, stop_after_finished, *, steps):
+                row_keys_r, offset_r, stop_after_finished, *, steps):
   """Up to `steps` decode steps for rows r of `cache`; the one loop of every decode program.
 
   Row r draws step i with `row_keys_r[r]` folded with `offset_r[r] + i`.
@@ -147,7 +147,7 @@ def decode_loop(model, stop_token_ids, pad_id, sample, cache, logits_rv, done_r,
   def body(carry):
     step, *decoding = carry
     step_keys_r = jax.vmap(jax.random.fold_in)(row_keys_r, offset_r + step)
-    return (step + 1, *decode_step(model, stop_ids, pad_id, sample, step, step_keys_r,
+    return (step + 1, *_decode_step(model, stop_ids, pad_id, sample, step, step_keys_r,
                                     budget_r, *decoding))
 
   carry = (jnp.int32(0), jnp.full((width, steps), pad_id, jnp.int32),
@@ -159,7 +159,7 @@ def decode_loop(model, stop_token_ids, pad_id, sample, cache, logits_rv, done_r,
 
 
 def abstract_cache(config: qwen2.Qwen2Config, mesh: Mesh | None, rows: int, capacity: int,
-                    cache_dtype, layers_as_list: bool, per_row: bool) -> KVCache:
+                   cache_dtype, layers_as_list: bool, per_row: bool) -> KVCache:
   """An empty cache of abstract arrays placed as `SamplerBase._place_cache` places a real one."""
   init = KVCache.init_rows if per_row else KVCache.init
   cache = jax.eval_shape(lambda: init(config, rows, capacity, cache_dtype, layers_as_list))
