@@ -32,7 +32,8 @@ from absl import app, flags, logging
 from flax import nnx
 
 from models import qwen2
-from models.sampler import Sampler, SamplingParams
+from models.sampler import Sampler
+from models.sampling import SamplingParams
 
 _PRESET = flags.DEFINE_string("preset", "qwen2.5-0.5b", "model shape from qwen2.PRESETS")
 _BATCH = flags.DEFINE_integer("batch", 8, "prompts per batch")

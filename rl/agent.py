@@ -24,7 +24,8 @@ from typing import Sequence
 import jax
 
 from models.chat import ChatFormatter
-from models.sampler import Sampler, SamplingParams
+from models.sampler import Sampler
+from models.sampling import SamplingParams
 from sim_user import dynamics
 from sim_user.simulator import Dialogue
 from sim_user.thinking import split_thinking

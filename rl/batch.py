@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import struct
 
-from models.sampler import bucket_size
+from models.sampling import bucket_size
 from rl.agent import Sample
 
 FILLER_GROUP = 10**6  # filler rows get groups FILLER_GROUP + row: groups of their own

@@ -42,7 +42,8 @@ from typing import Callable, Iterable, Sequence
 
 import jax
 
-from models.sampler import Sampler, bucket_size
+from models.sampler import Sampler
+from models.sampling import bucket_size
 from rl.agent import Agent
 from rl.rollout import RolloutConfig, end_if_over_budget
 from sim_user.simulator import Dialogue, SimulatedUser

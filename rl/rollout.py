@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from models.chat import ChatFormatter
-from models.sampler import Sampler, SamplingParams
+from models.sampler import Sampler
+from models.sampling import SamplingParams
 from rl import keys
 from rl.agent import Agent, CachedDialogues, Sample, ThinkingTurns
 from sim_user import dynamics

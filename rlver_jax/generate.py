@@ -25,7 +25,7 @@ from tqdm import tqdm
 from models import partitioning
 from models.chat import ChatFormatter
 from models.errors import UserInputError
-from models.sampler import SamplingParams
+from models.sampling import SamplingParams
 from rl import keys
 from rlver_jax import builder
 from rlver_jax import policy as policy_lib

@@ -46,7 +46,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 
 from models import partitioning
-from models.sampler import bucket_size
+from models.sampling import bucket_size
 from rl import batch as batch_lib
 from rl.agent import Sample
 from rl.rollout import Rollout

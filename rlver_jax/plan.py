@@ -16,7 +16,7 @@ and `apply_gradients`), the sampler's weight refresh (`WeightCopy`) and the
 rollout engine's row programs (`Sampler.prefill_rows` / `decode_rows`), on
 host 0's devices as the sampler runs on each host's own. The row programs
 are a fixed set of at most 12 widths and attended slots at one capacity
-(`sampler.row_program_set`, what the sampler compiles before a rollout);
+(`row_sampler.row_program_set`, what the sampler compiles before a rollout);
 `--row_programs=all` compiles each, the default `bounding` only the largest
 of each kind (the others need less memory) and counts the rest.
 
@@ -67,10 +67,11 @@ import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from models import attention, partitioning, programs, qwen2, topology  # noqa: E402
-from models import sampler as sampler_lib  # noqa: E402
+from models import attention, batch_sampler, partitioning, programs, qwen2  # noqa: E402
+from models import row_sampler, topology, weight_copy  # noqa: E402
 from models.errors import UserInputError  # noqa: E402
 from models.programs import Program  # noqa: E402
+from models.sampling import MIN_CACHE_BUCKET, SamplingParams, bucket_size  # noqa: E402
 from rl import engine, learner, step, updates  # noqa: E402
 from rl.losses import LossConfig  # noqa: E402
 from rlver_jax import costs, simulator_factory  # noqa: E402
@@ -103,7 +104,7 @@ class PlanSpec(step.StepShape):
   cache_len: int = 0  # 0: seq_len
   prefill_chunk: int = 0  # 0: the sampler's PREFILL_CHUNK
   dialogue_tokens: int = 0  # 0: cache_len // 2
-  sampling: sampler_lib.SamplingParams = sampler_lib.SamplingParams()
+  sampling: SamplingParams = SamplingParams()
   temperature: float = 1.0
   row_programs: str = "bounding"
   # The in-process simulator (sim_user.backend=flax): its model, None without one; each of its
@@ -112,7 +113,7 @@ class PlanSpec(step.StepShape):
   simulator: qwen2.Qwen2Config | None = None
   simulator_batch: int = 64
   simulator_prompt_tokens: int = 8192
-  simulator_sampling: sampler_lib.SamplingParams = sampler_lib.SamplingParams(max_new_tokens=1024)
+  simulator_sampling: SamplingParams = SamplingParams(max_new_tokens=1024)
   simulator_turns: int = 9  # user turns a dialogue (the rules' agent replies)
 
   def __post_init__(self):
@@ -121,7 +122,7 @@ class PlanSpec(step.StepShape):
                            f"{', '.join(ROW_PROGRAM_CHOICES)}")
     cache_len = self.cache_len or self.seq_len
     object.__setattr__(self, "cache_len", cache_len)
-    object.__setattr__(self, "prefill_chunk", self.prefill_chunk or sampler_lib.PREFILL_CHUNK)
+    object.__setattr__(self, "prefill_chunk", self.prefill_chunk or row_sampler.PREFILL_CHUNK)
     object.__setattr__(self, "dialogue_tokens", self.dialogue_tokens or cache_len // 2)
     object.__setattr__(self, "dialogues", self.dialogues or self.micro_batch * self.grad_accum)
     object.__setattr__(self, "remat", qwen2.remat_policy_name(self.remat))
@@ -258,7 +259,7 @@ class _Planner:
     graphdef, local = self.policy_on_host
     if not self.spec.sampling_dtype:
       return graphdef, local, False, None
-    copy = sampler_lib.WeightCopy(graphdef, local, jnp.dtype(self.spec.sampling_dtype), layout,
+    copy = weight_copy.WeightCopy(graphdef, local, jnp.dtype(self.spec.sampling_dtype), layout,
                                   self.local_mesh)
     return copy.graphdef, copy.abstract, copy.as_list, copy
 
@@ -273,13 +274,12 @@ class _Planner:
                                                             self.policy_on_host[1])
     shards = math.prod(self.local_mesh.shape[a]
                        for a in partitioning.mesh_axes("batch", self.local_mesh))
-    calls = sampler_lib.row_program_set(
-        math.lcm(self.rows_per_host, shards), sampler_lib.bucket_size(
-            spec.cache_len, sampler_lib.MIN_CACHE_BUCKET), shards,
-        prefill_chunk=spec.prefill_chunk)
+    calls = row_sampler.row_program_set(
+        math.lcm(self.rows_per_host, shards), bucket_size(spec.cache_len, MIN_CACHE_BUCKET),
+        shards, prefill_chunk=spec.prefill_chunk)
     bounding = _row_programs_to_compile(calls, "bounding")
     for call in _row_programs_to_compile(calls, choice):
-      program = sampler_lib.row_program(graphdef, weights, spec.model, self.local_mesh, call,
+      program = row_sampler.row_program(graphdef, weights, spec.model, self.local_mesh, call,
                                         math.lcm(self.rows_per_host, shards),
                                         jnp.dtype(spec.dtype), as_list, spec.sampling)
       # Which smaller shapes a rollout meets depends on its events: the estimate charges
@@ -299,9 +299,9 @@ class _Planner:
     graphdef, state = nnx.split(model)
     weights = programs.abstract(state, partitioning.state_shardings(state, self.local_mesh))
     rows = min(spec.simulator_batch, self.rows_per_host)
-    listed = sampler_lib.generate_programs(graphdef, weights, spec.simulator, self.local_mesh,
-                                           rows, spec.simulator_prompt_tokens,
-                                           spec.simulator_sampling, jnp.bfloat16)
+    listed = batch_sampler.generate_programs(graphdef, weights, spec.simulator,
+                                             self.local_mesh, rows, spec.simulator_prompt_tokens,
+                                             spec.simulator_sampling, jnp.bfloat16)
     # Two calls (emotion analysis, then the reply) per user turn, for every dialogue.
     calls = 2 * spec.simulator_turns * -(-self.rows_per_host // rows)
     return {f"sim_user/{name}[b={p.work['rows']},t={p.work['tokens']},c={p.work['capacity']}]":
@@ -312,7 +312,7 @@ def _row_calls_per_step(call, spec: PlanSpec, rows: int) -> float:
   """How often a step runs a bounding row program, for the estimate: every decode chunk of
   `dialogue_tokens` tokens, and the prefill of the rest of `seq_len` in full chunks."""
   if call.kind == "decode_rows":
-    return spec.dialogue_tokens / sampler_lib.DECODE_CHUNK_STEPS * rows / call.width
+    return spec.dialogue_tokens / row_sampler.DECODE_CHUNK_STEPS * rows / call.width
   fed = max(spec.seq_len - spec.dialogue_tokens, 0)
   return fed / call.chunk * rows / call.width
 
@@ -490,7 +490,7 @@ def _define_flags() -> None:
                        "config's optim.grad_accum)")
   flags.DEFINE_integer("cache_len", None, "sampler cache slots per row (default seq_len)")
   flags.DEFINE_integer("prefill_chunk", None, "tokens one sampler prefill call feeds a row (default "
-                       f"{sampler_lib.PREFILL_CHUNK})")
+                       f"{row_sampler.PREFILL_CHUNK})")
   flags.DEFINE_integer("dialogue_tokens", None, "the policy's tokens per dialogue, for the "
                        "time estimate (default cache/2)")
   flags.DEFINE_string("dtype", "bfloat16", "compute dtype")
@@ -575,7 +575,7 @@ def spec_from_config(config, overrides: Overrides = Overrides()) -> PlanSpec:
   micro = o.batch or max(dialogues // (optim.num_minibatches * optim.grad_accum), 1)
   return PlanSpec(
       model=model, model_name=name, mesh_axes=o.mesh_axes() or dict(config.mesh),
-      micro_batch=micro, seq_len=o.seq_len or sampler_lib.bucket_size(rollout.max_dialogue_tokens),
+      micro_batch=micro, seq_len=o.seq_len or bucket_size(rollout.max_dialogue_tokens),
       grad_accum=o.grad_accum or optim.grad_accum,
       minibatches=optim.ppo_epochs * optim.num_minibatches,
       critic=config.rl.algorithm == "ppo", reference=bool(config.rl.kl_coef),
@@ -587,8 +587,8 @@ def spec_from_config(config, overrides: Overrides = Overrides()) -> PlanSpec:
       cache_len=o.cache_len or engine.row_capacity(rollout, 0),
       prefill_chunk=o.prefill_chunk or 0,
       dialogue_tokens=o.dialogue_tokens or 0,
-      sampling=sampler_lib.SamplingParams(temperature=rollout.temperature, top_k=rollout.top_k,
-                                          top_p=rollout.top_p),
+      sampling=SamplingParams(temperature=rollout.temperature, top_k=rollout.top_k,
+                              top_p=rollout.top_p),
       temperature=rollout.temperature, row_programs=o.row_programs,
       **_simulator_from_config(config.sim_user, o))
 
@@ -603,7 +603,7 @@ def _simulator_from_config(sim_user, o: Overrides) -> dict:
       model = qwen2.Qwen2Config.from_hf_dict(json.load(f), source=path)
   else:
     model = preset(o.sim_model)
-  return {"simulator": model, "simulator_sampling": sampler_lib.SamplingParams(
+  return {"simulator": model, "simulator_sampling": SamplingParams(
       max_new_tokens=sim_user.max_tokens, temperature=sim_user.temperature),
           "simulator_turns": simulator_factory.make_rules(sim_user).max_agent_turns}
 

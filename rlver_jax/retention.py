@@ -27,7 +27,7 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
-from models.sampler import SamplingParams
+from models.sampling import SamplingParams
 from models.errors import UserInputError
 from rl import keys
 from rlver_jax import builder, cli, multihost, sharding

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from models.errors import UserInputError
-from models.sampler import SamplingParams
+from models.sampling import SamplingParams
 from rl import keys
 from rlver_jax import policy as policy_lib
 from sim_user import dynamics

@@ -4,7 +4,7 @@ import jax
 import pytest
 
 from models.chat import ChatFormatter
-from models.sampler import LENGTH, STOP, Completions, SamplingParams
+from models.sampling import LENGTH, STOP, Completions, SamplingParams
 from rl.agent import CachedDialogues, ThinkingTurns, agent_view
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates

@@ -12,7 +12,7 @@ import pytest
 from configs import demo
 from configs import eval as eval_config
 from rlver_jax import eval as evaluator
-from models.sampler import SamplingParams
+from models.sampling import SamplingParams
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import policy as policy_lib
 from rlver_jax import tiny, trainer

@@ -13,7 +13,9 @@ import pytest
 from flax import nnx
 
 from models import partitioning, qwen2
-from models.sampler import Sampler, SamplingParams, ladder, row_program_set
+from models.row_sampler import row_program_set
+from models.sampler import Sampler
+from models.sampling import SamplingParams, ladder
 from rl import rollout as rollout_lib
 from rl.engine import rows_to_decode
 from rlver_jax import policy as policy_lib

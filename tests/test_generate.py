@@ -8,7 +8,8 @@ from transformers import AutoTokenizer
 
 from models import partitioning, qwen2
 from models.chat import ChatFormatter
-from models.sampler import Sampler, SamplingParams
+from models.sampler import Sampler
+from models.sampling import SamplingParams
 from rlver_jax import generate, tiny
 
 

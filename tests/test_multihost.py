@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from models import qwen2
-from models.sampler import Sampler, SamplingParams
+from models.sampler import Sampler
+from models.sampling import SamplingParams
 from rlver_jax import metrics as metrics_lib
 from rl.rollout import Rollout
 from rlver_jax import multihost, tiny

@@ -29,7 +29,7 @@ from configs import grpo, ppo
 from models import partitioning, qwen2
 from models.chat import ChatFormatter
 from models.errors import UserInputError
-from models.sampler import LENGTH, STOP, Completions, DecodeStats
+from models.sampling import LENGTH, STOP, Completions, DecodeStats
 from rl import learner as learner_lib
 from rl import system_prompts, updates
 from rl.batch import TrainBatch

@@ -11,7 +11,8 @@ import torch
 from flax import nnx
 
 from models import partitioning, qwen2
-from models.sampler import LENGTH, STOP, Sampler, SamplingParams, sample_logits
+from models.sampler import Sampler
+from models.sampling import LENGTH, STOP, SamplingParams, sample_logits
 from tests.hf_fixtures import make_hf_qwen2
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13], [20, 21, 22, 23], [40, 41, 42, 43, 44, 45, 46, 47, 48]]

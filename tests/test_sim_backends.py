@@ -8,7 +8,8 @@ import jax
 import pytest
 
 from models import qwen2
-from models.sampler import Sampler, SamplingParams
+from models.sampler import Sampler
+from models.sampling import SamplingParams
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError

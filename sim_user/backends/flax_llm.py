@@ -7,7 +7,8 @@ from typing import Sequence
 import jax
 
 from models.chat import ChatFormatter
-from models.sampler import Sampler, SamplingParams
+from models.sampler import Sampler
+from models.sampling import SamplingParams
 from sim_user.backends.base import BackendError, SimRequest
 
 
