@@ -1,6 +1,6 @@
 """What a rollout is asked to do, and the rule that ends a dialogue on its token budget.
 
-Its own room because `rl.rollout` (which dispatches to an engine) and both
+Its own module because `rl.rollout` (which dispatches to an engine) and both
 engines (`rl.lockstep`, `rl.engine`) read it: the engines import it, not the
 rollout, so no import runs back from an engine to its dispatcher.
 """
