@@ -48,6 +48,7 @@ from absl import app, flags, logging
 
 from models.sampler import Sampler
 from rl import rollout as rollout_lib
+from rl.rollout_config import RolloutConfig
 from rlver_jax import policy as policy_lib
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
@@ -201,7 +202,7 @@ def main(argv):
                                                          _LATENCY_P95.value))
   threading.Thread(target=server.serve_forever, daemon=True).start()
   # The agent's budget: every reply of --turns at its longest, so no dialogue ends on it.
-  config = rollout_lib.RolloutConfig(max_new_tokens=_MAX_NEW_TOKENS.value, temperature=0.0,
+  config = RolloutConfig(max_new_tokens=_MAX_NEW_TOKENS.value, temperature=0.0,
                                      max_dialogue_tokens=_TURNS.value * _MAX_NEW_TOKENS.value)
   profile_list = bench_profiles(_DIALOGUES.value)
   clock = CompileClock()

@@ -42,5 +42,5 @@ def get_config(arg: str = "") -> ml_collections.ConfigDict:
   c.eval.temperature = 0.0  # 0, greedy: the score does not depend on a seed
   c.eval.top_p = 1.0  # nucleus sampling (1: off)
   c.eval.top_k = 0  # top-k sampling (0: off)
-  c.eval.engine = "continuous"  # continuous | lockstep (rl/rollout.py)
+  c.eval.engine = "continuous"  # continuous (rl/engine.py) | lockstep (rl/lockstep.py)
   return c

@@ -26,24 +26,10 @@ import jax
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from models.sampling import SamplingParams
+from rl.batch import Sample
 from sim_user import dynamics
 from sim_user.simulator import Dialogue
 from sim_user.thinking import split_thinking
-
-
-@dataclasses.dataclass
-class Sample:
-  """One training sequence: token ids with per-token loss mask and sampling logprobs."""
-
-  tokens: list[int]  # [T]
-  loss_mask: list[int]  # [T]: 1 on tokens the agent generated
-  logprobs: list[float]  # [T]: sampling logprob on generated tokens, 0 elsewhere
-  reward: float  # the dialogue's score (GRPO normalises these within a group)
-  group: int  # samples of one profile share a group
-  dialogue: int  # index into Rollout.dialogues
-  token_rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)
-  # (index into tokens, reward): the final reward on the last generated token, or
-  # with reward="turn" each turn's emotion change on that turn's last token
 
 
 def agent_view(dialogue: Dialogue, system_prompt: str, raw_replies: bool) -> list[dict]:
@@ -61,6 +47,15 @@ class Agent:
 
   Dialogues are named by their index in the batch; `row_ids[i]` is dialogue
   i's global id, which its sampling key is folded with.
+
+  Each engine takes turns through its own methods (the sections below):
+  the lockstep engine (`rl.lockstep`) calls `act` for every live dialogue at
+  once; the continuous engine (`rl.engine`) decodes on its own cache rows and
+  asks one dialogue at a time for `next_tokens`, then hands the reply to
+  `record` (reading `restarts_rows`, `sampling` and `row_ids`). A strategy's
+  `act` is its `next_tokens` and `record` around one sampler call, so both
+  engines keep the same turns. Both read `agent_tokens` for the token
+  budget; the rollout takes `samples` and `metrics` once the batch is done.
   """
 
   def __init__(self, sampler: Sampler, formatter: ChatFormatter, system_prompt: str,
@@ -72,14 +67,17 @@ class Agent:
     self.generated_turns = 0
     self.cut_off_turns = 0  # turns that hit max_new_tokens (stop reason LENGTH)
 
-  # Whether a turn's tokens start the dialogue's cache row over (thinking) or follow it.
-  restarts_rows = False
+  # The lockstep engine (rl.lockstep): every live dialogue's turn in one call.
 
   def act(self, dialogues: Sequence[Dialogue], live: Sequence[int], key: jax.Array) -> list[str]:
     """One reply per live dialogue (in `live`'s order), thoughts included, stop token cut."""
     raise NotImplementedError
 
-  # One dialogue at a time (rl.engine): what to prefill, then what came of it.
+  # The continuous engine (rl.engine): one dialogue at a time, what to prefill into its
+  # row, then what came of it.
+
+  # Whether a turn's tokens start the dialogue's cache row over (thinking) or follow it.
+  restarts_rows = False
 
   def next_tokens(self, dialogue: Dialogue, i: int) -> list[int]:
     """What dialogue i's cache row needs before its next turn (see `restarts_rows`)."""
@@ -90,11 +88,7 @@ class Agent:
     """Keeps dialogue i's turn (`fed`: its `next_tokens`); returns the reply's text."""
     raise NotImplementedError
 
-  def text(self, tokens: Sequence[int], ended: bool) -> str:
-    """A reply's text without its stop token; special tokens stay (<think> may be one, and
-    the format check needs it)."""
-    return self.formatter.tokenizer.decode(list(tokens[:-1] if ended else tokens),
-                                           skip_special_tokens=False)
+  # The finished batch (rl.rollout).
 
   def samples(self, dialogues: Sequence[Dialogue], groups: Sequence[int],
               reward: str) -> list[Sample]:
@@ -110,6 +104,14 @@ class Agent:
             "agent_turns/generated": self.generated_turns,
             "agent_turns/cut_off": self.cut_off_turns,
             "agent_turns/cut_off_rate": 100.0 * self.cut_off_turns / max(self.generated_turns, 1)}
+
+  # What the strategies' turns build on.
+
+  def text(self, tokens: Sequence[int], ended: bool) -> str:
+    """A reply's text without its stop token; special tokens stay (<think> may be one, and
+    the format check needs it)."""
+    return self.formatter.tokenizer.decode(list(tokens[:-1] if ended else tokens),
+                                           skip_special_tokens=False)
 
   def _count(self, i: int, tokens: Sequence[int], ended: bool) -> None:
     self.agent_tokens[i] += len(tokens)

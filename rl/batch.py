@@ -1,5 +1,8 @@
 """The training batch: what `collate` makes of a rollout's samples, typed.
 
+A `Sample` is one sequence as the agent (`rl.agent`) builds it; it lives
+here, with the batch it becomes, so the batch needs nothing of the agent.
+
 Token arrays live on two grids. `tokens_bt` and `attention_mask_bt` are the
 sequences themselves, [B, T]; every other per-token array is on the "target"
 grid, [B, T - 1]: entry t belongs to token t + 1 (the token predicted from
@@ -15,6 +18,7 @@ tree maps see only the arrays a batch has.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import jax
@@ -22,9 +26,27 @@ import numpy as np
 from flax import struct
 
 from models.sampling import bucket_size
-from rl.agent import Sample
 
 FILLER_GROUP = 10**6  # filler rows get groups FILLER_GROUP + row: groups of their own
+
+
+@dataclasses.dataclass
+class Sample:
+  """One training sequence: token ids with per-token loss mask and sampling logprobs.
+
+  Host lists of the sequence's own length T, unpadded: `collate` pads them
+  onto a `TrainBatch` row.
+  """
+
+  tokens: list[int]  # [T]
+  loss_mask: list[int]  # [T]: 1 on tokens the agent generated
+  logprobs: list[float]  # [T]: sampling logprob on generated tokens, 0 elsewhere
+  reward: float  # the dialogue's score (GRPO normalises these within a group)
+  group: int  # samples of one profile share a group
+  dialogue: int  # index into Rollout.dialogues
+  token_rewards: list[tuple[int, float]] = dataclasses.field(default_factory=list)
+  # (index into tokens, reward): the final reward on the last generated token, or
+  # with reward="turn" each turn's emotion change on that turn's last token
 
 
 @struct.dataclass

@@ -28,8 +28,9 @@ dialogue can decode does the host wait, for the first user turn to come back.
 The agent (`rl.agent`) says what each dialogue's row needs and keeps each
 finished turn, one dialogue at a time. Dialogue i draws its turn-t reply
 with the same key (the turn's, folded with its row id) as the lockstep
-engine, so greedy dialogues are the same token for token, and sampled ones
-the same in distribution (and in tokens, on equal arithmetic).
+engine (`rl.lockstep`), so greedy dialogues are the same token for token,
+and sampled ones the same in distribution (and in tokens, on equal
+arithmetic).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ import jax
 from models.sampler import Sampler
 from models.sampling import bucket_size
 from rl.agent import Agent
-from rl.rollout import RolloutConfig, end_if_over_budget
+from rl.rollout_config import RolloutConfig, end_if_over_budget
 from sim_user.simulator import Dialogue, SimulatedUser
 
 

@@ -7,11 +7,11 @@ groups (n samples of one profile) share persona and opening line. The
 agent's strategy, cached dialogues or thinking turns, is picked once per
 batch by `make_agent`.
 
-`RolloutConfig.engine` picks how turns are batched: "continuous" (default,
-`rl.engine`: each dialogue moves on as soon as its own reply or user turn is
-done) or "lockstep" (here: rounds of one sampler call for every live
-dialogue, then one simulator call for all of them; the benchmark's
-baseline). Both give the same dialogues.
+`RolloutConfig.engine` (`rl.rollout_config`) picks how turns are batched:
+"continuous" (default, `rl.engine`: each dialogue moves on as soon as its own
+reply or user turn is done) or "lockstep" (`rl.lockstep`: rounds of one
+sampler call for every live dialogue, then one simulator call for all of
+them; the benchmark's baseline). Both give the same dialogues.
 """
 
 from __future__ import annotations
@@ -27,37 +27,13 @@ import numpy as np
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from models.sampling import SamplingParams
-from rl import keys
-from rl.agent import Agent, CachedDialogues, Sample, ThinkingTurns
+from rl import engine, keys, lockstep
+from rl.agent import Agent, CachedDialogues, ThinkingTurns
+from rl.batch import Sample
+from rl.rollout_config import RolloutConfig
 from sim_user import dynamics
 from sim_user.profiles import Profile
 from sim_user.simulator import Dialogue, SimulatedUser
-
-TOKEN_BUDGET = "token_budget"
-ENGINES = ("continuous", "lockstep")
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-  samples_per_profile: int = 1  # GRPO group size n
-  system_prompt: str = ""
-  thinking: bool = False
-  format_penalty_reward: float = 0.0  # thinking mode: reward of a badly formatted turn
-  max_new_tokens: int = 512  # per agent turn
-  max_dialogue_tokens: int = 10000  # agent tokens per dialogue; beyond, the dialogue ends
-  temperature: float = 1.0
-  top_p: float = 1.0
-  top_k: int = 0
-  reward: str = "final"  # or "turn": each agent turn gets its emotion change / 100
-  # continuous: rl.engine's continuous batching across turns; lockstep: every live
-  # dialogue's turn in one sampler call per round (the benchmark's baseline)
-  engine: str = "continuous"
-
-  def __post_init__(self):
-    if self.reward not in ("final", "turn"):
-      raise ValueError(f"rollout reward {self.reward!r}; expected final or turn")
-    if self.engine not in ENGINES:
-      raise ValueError(f"rollout engine {self.engine!r}; expected one of {', '.join(ENGINES)}")
 
 
 @dataclasses.dataclass
@@ -104,10 +80,9 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   turn_key = lambda turn: keys.turn(key, turn)
   stats_before = copy.copy(sampler.stats)
   if config.engine == "continuous":
-    from rl import engine  # it builds on this module
     sim_seconds += engine.run(sampler, agent, user, dialogues, config, turn_key)
   else:
-    sim_seconds += _run_lockstep(agent, user, dialogues, config, turn_key)
+    sim_seconds += lockstep.run(agent, user, dialogues, config, turn_key)
 
   samples = agent.samples(dialogues, groups, config.reward)
   metrics = rollout_metrics(samples, dialogues, user.emotion_rules)
@@ -118,31 +93,6 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
                   "rollout/sim_wait_s": sim_seconds,
                   "rollout/tokens_per_s": agent_metrics["tokens/generated"] / max(wall, 1e-9)})
   return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)
-
-
-def end_if_over_budget(dialogue: Dialogue, agent_tokens: int, config: RolloutConfig) -> None:
-  """The token budget rule, once the dialogue's user turn is in."""
-  if not dialogue.done and agent_tokens >= config.max_dialogue_tokens:
-    dialogue.end_reason = TOKEN_BUDGET
-
-
-def _run_lockstep(agent: Agent, user: SimulatedUser, dialogues: Sequence[Dialogue],
-                  config: RolloutConfig, turn_key) -> float:
-  """Rounds of one agent turn in every live dialogue, then one user turn in every one.
-  Returns the time spent waiting for the simulator."""
-  sim_seconds = 0.0
-  live = [i for i, d in enumerate(dialogues) if not d.done]
-  turn = 0
-  while live:
-    replies = agent.act(dialogues, live, turn_key(turn))
-    t0 = time.perf_counter()
-    user.respond([dialogues[i] for i in live], replies)
-    sim_seconds += time.perf_counter() - t0
-    for i in live:
-      end_if_over_budget(dialogues[i], agent.agent_tokens[i], config)
-    live = [i for i in live if not dialogues[i].done]
-    turn += 1
-  return sim_seconds
 
 
 def rollout_metrics(samples: Sequence[Sample], dialogues: Sequence[Dialogue],

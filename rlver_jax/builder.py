@@ -19,9 +19,9 @@ from models import partitioning, qwen2
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from rl import learner as learner_lib
-from rl import rollout as rollout_lib
 from rl import system_prompts, updates
 from rl.losses import LossConfig
+from rl.rollout_config import RolloutConfig
 from rlver_jax import multihost, simulator_factory, tiny
 from rlver_jax import policy as policy_lib
 from sim_user.simulator import SimulatedUser
@@ -52,11 +52,11 @@ def _system_prompt(setting: str, knob: str, language: str, thinking: bool) -> st
   return prompt
 
 
-def train_rollout_config(config) -> rollout_lib.RolloutConfig:
+def train_rollout_config(config) -> RolloutConfig:
   """How one step's dialogues are collected. `rollout.off_policy_steps` is not among them: it
   is when they are collected, the trainer's affair (`rlver_jax/off_policy.py`)."""
   r = config.rollout
-  return rollout_lib.RolloutConfig(
+  return RolloutConfig(
       samples_per_profile=r.samples_per_profile,
       system_prompt=_system_prompt(r.system_prompt, "rollout.system_prompt",
                                    config.sim_user.language, r.thinking),
@@ -66,10 +66,10 @@ def train_rollout_config(config) -> rollout_lib.RolloutConfig:
       engine=r.engine)
 
 
-def eval_rollout_config(config) -> rollout_lib.RolloutConfig:
+def eval_rollout_config(config) -> RolloutConfig:
   """One dialogue per profile, no token budget: the benchmark's settings."""
   e = config.eval
-  return rollout_lib.RolloutConfig(
+  return RolloutConfig(
       samples_per_profile=1,
       system_prompt=_system_prompt(e.system_prompt, "eval.system_prompt",
                                    config.sim_user.language, e.thinking),

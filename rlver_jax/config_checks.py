@@ -11,7 +11,7 @@ from __future__ import annotations
 from models import partitioning
 from models.errors import UserInputError
 from rl import losses
-from rl import rollout as rollout_lib
+from rl import rollout_config
 from rl import system_prompts
 from rlver_jax import off_policy, simulator_factory
 from sim_user import dynamics, redact, templates
@@ -71,7 +71,7 @@ def _check_sampling(p: _Problems, section: str, *, greedy_ok: bool) -> None:
   p.require(f"{section}.top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
   p.require(f"{section}.top_k", _at_least(0), "must be >= 0 (0: no top-k)")
   p.require(f"{section}.max_new_tokens", _at_least(1), "must be >= 1")
-  p.one_of(f"{section}.engine", rollout_lib.ENGINES)
+  p.one_of(f"{section}.engine", rollout_config.ENGINES)
 
 
 def _check_sim_user(p: _Problems) -> None:

@@ -48,7 +48,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from models import partitioning
 from models.sampling import bucket_size
 from rl import batch as batch_lib
-from rl.agent import Sample
+from rl.batch import Sample
 from rl.rollout import Rollout
 from rlver_jax import sharding
 from sim_user.profiles import Profile

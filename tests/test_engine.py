@@ -18,6 +18,7 @@ from models.sampler import Sampler
 from models.sampling import SamplingParams, ladder
 from rl import rollout as rollout_lib
 from rl.engine import rows_to_decode
+from rl.rollout_config import RolloutConfig
 from rlver_jax import policy as policy_lib
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
@@ -244,7 +245,7 @@ def make_user(backend=None):
 
 def both_engines(chat_policy, user_factory=make_user, **config):
   sampler, formatter, demo = chat_policy
-  config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=0.0, **config)
+  config = RolloutConfig(max_new_tokens=12, temperature=0.0, **config)
   return [rollout_lib.collect(sampler, formatter, user_factory(), demo, dataclasses.replace(
       config, engine=engine), jax.random.key(1)) for engine in ("lockstep", "continuous")]
 
@@ -306,7 +307,7 @@ class SlowForOne(ScriptedBackend):
 
 def test_a_slow_failing_simulator_call_does_not_hold_up_other_dialogues(chat_policy):
   sampler, formatter, demo = chat_policy
-  config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=0.0, max_dialogue_tokens=30)
+  config = RolloutConfig(max_new_tokens=12, temperature=0.0, max_dialogue_tokens=30)
   backend = SlowForOne(demo[0].id)
   first = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, jax.random.key(1))
   # Again, the failing call now hanging until the others made every call they made before.
@@ -359,7 +360,7 @@ def test_the_engine_compiles_its_fixed_program_set_once_whatever_the_order(chat_
   chat, formatter, demo = chat_policy
   sampler = Sampler(nnx.merge(chat.graphdef, chat.state), stop_token_ids=chat.stop_token_ids,
                     pad_id=chat.pad_id, decode_chunk_steps=4)
-  config = rollout_lib.RolloutConfig(max_new_tokens=12, temperature=1.0, max_dialogue_tokens=30,
+  config = RolloutConfig(max_new_tokens=12, temperature=1.0, max_dialogue_tokens=30,
                                      samples_per_profile=2)
   rollouts = []
   collect = lambda seed: rollouts.append(rollout_lib.collect(

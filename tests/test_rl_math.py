@@ -6,10 +6,9 @@ import pytest
 import rl
 from rl import advantages, forward, learner, losses, updates
 from rl import batch as batch_lib
-from rl.batch import TrainBatch
+from rl.batch import Sample, TrainBatch
 from rl.losses import LossConfig
 from models.errors import UserInputError
-from rl.agent import Sample
 
 
 def numpy_gae(rewards, values, mask, gamma, lam):
