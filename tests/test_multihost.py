@@ -15,7 +15,7 @@ from models import qwen2
 from models.sampler import Sampler, SamplingParams
 from rlver_jax import metrics as metrics_lib
 from rl.rollout import Rollout
-from rlver_jax import multihost, tiny
+from rlver_jax import multihost, tiny, watchdog
 from sim_user import profiles
 from tests.conftest import fake_cpu_devices
 from tests.test_multiprocess import _free_port
@@ -126,7 +126,7 @@ def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path, how):
     assert os.path.isdir(first_checkpoint), "step 1 was not checkpointed"
     procs[1].send_signal(how)
     lost_at = time.monotonic()
-    assert procs[0].wait(timeout=120) == multihost.LOST_HOST_EXIT_CODE, log_of(workdir, 0)[-3000:]
+    assert procs[0].wait(timeout=120) == watchdog.LOST_HOST_EXIT_CODE, log_of(workdir, 0)[-3000:]
     assert time.monotonic() - lost_at < 60
   finally:
     procs[1].kill()
@@ -173,10 +173,10 @@ def test_the_tpu_launcher_variable_starts_jax_distributed(monkeypatch):
 ONE_HOST_FAILS = textwrap.dedent("""
     import numpy as np
     from jax.experimental import multihost_utils
-    from rlver_jax import multihost, sharding
+    from rlver_jax import sharding, watchdog
     assert sharding.maybe_initialize_distributed()
     import jax
-    with multihost.stop_when_a_host_is_lost(answer_within_s=3):
+    with watchdog.stop_when_a_host_is_lost(answer_within_s=3):
       if jax.process_index() == 1:
         raise ValueError("no samples here")
       multihost_utils.process_allgather(np.zeros(1))  # process 0 waits in a collective
@@ -196,7 +196,7 @@ def test_an_error_on_one_host_stops_the_other_naming_it():
   finally:
     for p in procs:
       p.kill()
-  assert [p.returncode for p in procs] == [multihost.LOST_HOST_EXIT_CODE] * 2, outputs
+  assert [p.returncode for p in procs] == [watchdog.LOST_HOST_EXIT_CODE] * 2, outputs
   assert ("process 0 of 2: process 1: stopping: process(es) [0] did not answer within 3 s; "
           "here: ValueError: no samples here") in outputs[0]
   assert "process 1 of 2: stopping" in outputs[1]
