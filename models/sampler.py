@@ -58,7 +58,7 @@ from absl import logging
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from models import partitioning, programs, qwen2
+from models import host_metrics, partitioning, programs, qwen2
 from models.qwen2 import KV_CACHE_AXES, KVCache, Qwen2
 
 DECODE_CHUNK_STEPS = 32  # steps of one `decode_rows` call, by default
@@ -141,6 +141,11 @@ class DecodeStats:
   def since(self, earlier: "DecodeStats") -> "DecodeStats":
     return DecodeStats(*(getattr(self, f.name) - getattr(earlier, f.name)
                          for f in dataclasses.fields(self)))
+
+  # Over hosts: the per-row-step figures weigh by row-steps; a step waits for the slowest decode.
+  host_metrics.declare({"rollout/slot_efficiency": host_metrics.weighted("rollout/row_steps"),
+                        "rollout/cache_occupancy": host_metrics.weighted("rollout/row_steps"),
+                        "rollout/row_steps": host_metrics.SUM, "rollout/decode_s": host_metrics.MAX})
 
   def metrics(self) -> dict:
     """`rollout/` figures of a span: slot efficiency (tokens / row-steps), cache occupancy of

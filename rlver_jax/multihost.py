@@ -19,8 +19,9 @@ Design (the one Tunix and verl follow in their own ways):
   `jax.make_array_from_process_local_data` because it leaves every batch
   computation of `rl/` unchanged and host-count independent, for one
   all-gather of int32 tokens per step.
-- Metrics are reduced over hosts (`Hosts.reduce_metrics`) and written by
-  process 0; Orbax checkpoints are written by all hosts together.
+- Metrics are reduced over hosts (`Hosts.reduce_metrics`), each as its maker
+  declared (`models/host_metrics.py`), and written by process 0; Orbax
+  checkpoints are written by all hosts together.
 
 With one process every method is the identity of the single-host path. What stops
 every host when one is lost is `rlver_jax/watchdog.py`.
@@ -39,27 +40,13 @@ from flax import nnx
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from models import partitioning
+from models import host_metrics, partitioning
 from models.sampler import bucket_size
 from rl import batch as batch_lib
 from rl.agent import Sample
 from rl.rollout import Rollout
 from sim_user.profiles import Profile
 from sim_user.simulator import Dialogue
-
-# How a step metric combines over hosts: sums, maxima, or means weighted by a count
-# (the weight's name); any other metric is the plain mean over hosts (e.g. the update
-# metrics, identical on every host).
-_SUMMED_PREFIXES = ("sim/", "dialogues/", "tokens/", "agent_turns/")
-_SUMMED = ("samples", "skipped_updates", "rollout/row_steps")
-# A step waits for its slowest host.
-_MAXED_PREFIXES = ("time/", "rollout/decode_s", "rollout/sim_wait_s")
-_WEIGHTS = {"reward/mean": "samples", "response_len/mean": "samples",
-            "emotion/final_mean": "kept_dialogues", "success_rate": "kept_dialogues",
-            "failure_rate": "kept_dialogues", "turns/mean": "dialogues",
-            "format_ok_rate": "dialogues", "rollout/slot_efficiency": "rollout/row_steps",
-            "rollout/cache_occupancy": "rollout/row_steps"}
-
 
 def allgather_json(value: Any) -> list[Any]:
   """Every host's JSON-serialisable `value`, in process order (a collective: all hosts call)."""
@@ -228,8 +215,6 @@ class Hosts:
 
   def reduce_step_metrics(self, metrics: dict, rollout: Rollout) -> dict:
     """A training step's metrics over all hosts; `rollout` is this host's share."""
-    if self.count == 1:
-      return metrics
     kept = [d for d in rollout.dialogues if not d.dropped]
     counts = {"samples": len(rollout.samples), "dialogues": len(rollout.dialogues),
               "kept_dialogues": len(kept),
@@ -237,42 +222,21 @@ class Hosts:
     for d in kept:  # the weights of emotion/final/<intention>
       key = f"emotion/final/{d.profile.intention}"
       counts[key] = counts.get(key, 0) + 1
-    out = self.reduce_metrics(metrics, counts)
-    # Rates of the sums, not means of the hosts' rates.
-    for rate in ("tokens_per_s", "rollout/tokens_per_s"):
-      if rate in out:
-        out[rate] = out["tokens/generated"] / max(out["time/rollout"], 1e-9)
-    if "agent_turns/cut_off_rate" in out:
-      out["agent_turns/cut_off_rate"] = (100.0 * out["agent_turns/cut_off"]
-                                         / max(out["agent_turns/generated"], 1))
-    return out
+    return self.reduce_metrics(metrics, counts)
 
   def reduce_metrics(self, metrics: dict, counts: dict) -> dict:
-    """Metrics over all hosts (`counts`: this host's samples, dialogues, ... as weights).
+    """Metrics over all hosts, each by the reduction its maker declared (`models/host_metrics.py`);
+    `counts`: this host's samples, dialogues, ... that weighted metrics weigh by.
 
-    A metric named in `counts` is weighted by that count; one named in _WEIGHTS by the
-    count it names there.
+    With one host too a metric without a declared reduction raises: a new metric
+    fails its first test run, not the first multi-host run.
     """
+    host_metrics.check_declared(metrics)
     if self.count == 1:
       return metrics
     hosts = allgather_json({"metrics": {k: _plain(v) for k, v in metrics.items()},
                             "counts": counts})
-    keys = sorted({k for h in hosts for k in h["metrics"]})
-    out = {}
-    for key in keys:
-      # Hosts without the key had nothing of it (no dialogue of that intention, say).
-      reporting = [h for h in hosts if key in h["metrics"]]
-      values = [h["metrics"][key] for h in reporting]
-      if key in _SUMMED or key.startswith(_SUMMED_PREFIXES):
-        out[key] = sum(values)
-      elif key.startswith(_MAXED_PREFIXES):
-        out[key] = max(values)
-      elif key in _WEIGHTS or all(key in h["counts"] for h in reporting):
-        weights = [h["counts"][_WEIGHTS.get(key, key)] for h in reporting]
-        out[key] = float(np.average(values, weights=weights)) if sum(weights) else 0.0
-      else:
-        out[key] = float(np.mean(values))
-    return out
+    return host_metrics.combine([h["metrics"] for h in hosts], [h["counts"] for h in hosts])
 
 
 def _plain(value):

@@ -32,11 +32,11 @@ import orbax.checkpoint as ocp
 from absl import logging
 from tqdm import tqdm
 
-from models import partitioning, qwen2
+from models import host_metrics, partitioning, qwen2
 from models.errors import RunStopped
 from rl import advantages as advantages_lib
 from rl import batch as batch_lib
-from rl import forward, learner
+from rl import forward, learner, updates
 from rl import keys
 from rl import rollout as rollout_lib
 from rlver_jax import builder, compile_cache, config_checks, dialogue_log
@@ -126,9 +126,13 @@ def checkpoint_due(step: int, final_step: int, every: int, every_minutes: float,
 # a few seconds of drawing against steps of seconds (the demo) to minutes (the recipes).
 PLOT_EVERY_STEPS = 5
 
-# The update metrics a step reports, each the mean over the step's finite updates.
-UPDATE_METRICS = ("kl", "approx_kl", "entropy", "clip_frac", "pg_clipfrac_lower", "pg_loss",
-                  "value_loss", "value_clip_frac", "grad_norm")
+# How hosts combine the metrics a step adds to its rollout's and updates' (models/host_metrics.py).
+host_metrics.declare({
+    "tokens_per_s": host_metrics.ratio("tokens/generated", "time/rollout"),
+    "rollout/policy_lag": host_metrics.MEAN, "rollout/wait_s": host_metrics.MAX,
+    "untrained/simulator": host_metrics.MEAN, "updates": host_metrics.MEAN,
+    "lr": host_metrics.MEAN, "skipped_updates": host_metrics.SUM, "samples": host_metrics.SUM,
+    "time/train": host_metrics.MAX})
 
 
 class Trainer:
@@ -416,7 +420,7 @@ class Trainer:
     # A metric the step's losses do not make (GRPO's value loss, the dual clip's share
     # without a dual clip) is absent, not 0.
     out.update({key: float(np.mean([m[key] for m in finite]))
-                for key in UPDATE_METRICS if key in finite[0]})
+                for key in updates.UPDATE_METRICS if key in finite[0]})
     out.update({
         "updates": len(update_metrics), "lr": policy_lr,
         "skipped_updates": skipped, "time/train": train_seconds,

@@ -11,9 +11,10 @@ import jax
 import numpy as np
 import pytest
 
-from models import qwen2
+from models import host_metrics, qwen2
 from models.sampler import Sampler, SamplingParams
 from rlver_jax import metrics as metrics_lib
+from rl import updates
 from rl.rollout import Rollout
 from rlver_jax import multihost, tiny, watchdog
 from sim_user import profiles
@@ -217,6 +218,27 @@ def test_step_metrics_combine_by_kind(monkeypatch):
   assert out["reward/mean"] == pytest.approx((3 * 0.5 + 0.1) / 4)  # weighted by samples
   assert out["emotion/final_mean"] == pytest.approx((4 * 40 + 10) / 5)  # by kept dialogues
   assert out["sim/retries"] == 2 and out["time/rollout"] == 5.0 and out["grad_norm"] == 1.5
+  assert "grad_norm" in updates.UPDATE_METRICS  # declared there: alike on every host
+
+
+def test_a_metric_without_a_declared_reduction_fails_on_one_host_too(monkeypatch):
+  hosts = object.__new__(multihost.Hosts)
+  hosts.count = 1
+  with pytest.raises(host_metrics.UndeclaredMetric, match="'new/metric'"):
+    hosts.reduce_metrics({"reward/mean": 0.5, "new/metric": 1.0}, {})
+  hosts.count = 2
+  monkeypatch.setattr(multihost, "allgather_json", lambda value: [
+      {"metrics": {"new/metric": 1.0}, "counts": {}}] * 2)
+  with pytest.raises(host_metrics.UndeclaredMetric):  # another host's metric too
+    hosts.reduce_metrics({}, {})
+
+
+def test_a_metric_family_weighs_by_its_family_of_counts():
+  assert host_metrics.reduction("emotion/final/listen") == host_metrics.weighted(
+      "emotion/final/listen")
+  assert host_metrics.reduction("sim/http/attempts") == host_metrics.SUM
+  with pytest.raises(ValueError, match="declared twice"):
+    host_metrics.declare({"reward/mean": host_metrics.SUM})
 
 
 def test_rates_and_per_intention_emotions_weigh_each_hosts_share(monkeypatch):
