@@ -23,7 +23,7 @@ from rl import rollout as rollout_lib
 from rl import system_prompts, updates
 from rl.losses import LossConfig
 from rlver_jax import multihost, simulator_factory, tiny
-from rlver_jax import policy as policy_lib
+from models import pretrained
 from sim_user.simulator import SimulatedUser
 
 
@@ -82,20 +82,20 @@ def simulated_user(config, mesh: Mesh | None) -> SimulatedUser:
   return user
 
 
-def inference_policy(config, mesh: Mesh | None) -> policy_lib.Policy:
+def inference_policy(config, mesh: Mesh | None) -> pretrained.Policy:
   """The `policy` section's checkpoint with tokenizer, formatter and sampler, for generation.
 
   An empty `policy.param_dtype` stores the weights in the compute dtype.
   """
-  return policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
+  return pretrained.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
                                 param_dtype=config.policy.param_dtype or None, mesh=mesh)
 
 
 def generation_policy(checkpoint: str, dtype: str, mesh_axes: dict | None,
-                      stops: Sequence[str], require_chat_template: bool) -> policy_lib.Policy:
+                      stops: Sequence[str], require_chat_template: bool) -> pretrained.Policy:
   """A checkpoint for the generate CLI, on a mesh of `mesh_axes` (None: one device)."""
   mesh = partitioning.make_mesh(mesh_axes) if mesh_axes else None
-  return policy_lib.load_policy(checkpoint, dtype=dtype, mesh=mesh, stops=stops,
+  return pretrained.load_policy(checkpoint, dtype=dtype, mesh=mesh, stops=stops,
                                 require_chat_template=require_chat_template)
 
 
@@ -135,7 +135,7 @@ class TrainingModels:
 def training_models(config, loss_cfg: LossConfig, hosts: multihost.Hosts) -> TrainingModels:
   """Policy, critic (PPO) and reference (KL) learners on the training mesh, and the sampler."""
   policy_path = resolve_policy_checkpoint(config)
-  tokenizer = policy_lib.load_tokenizer(policy_path)
+  tokenizer = pretrained.load_tokenizer(policy_path)
   load = dict(dtype=config.policy.dtype, param_dtype=config.policy.param_dtype,
               mesh=hosts.train_mesh, remat=config.policy.remat_policy if config.policy.remat else "none",
               attention=config.policy.attention)
@@ -155,7 +155,7 @@ def training_models(config, loss_cfg: LossConfig, hosts: multihost.Hosts) -> Tra
   if config.rl.kl_coef:
     reference = learner_lib.Learner(
         qwen2.from_pretrained(policy_path, **{**load, "remat": False}), mesh=hosts.train_mesh)
-  sampler = Sampler(hosts.local_model(model), stop_token_ids=policy_lib.stop_token_ids(
+  sampler = Sampler(hosts.local_model(model), stop_token_ids=pretrained.stop_token_ids(
                         tokenizer, eos_token_id=model.config.eos_token_id),
                     pad_id=tokenizer.pad_token_id or 0, mesh=hosts.local_mesh,
                     sampling_dtype=config.rollout.sampling_dtype or None,

@@ -16,7 +16,7 @@ from models import partitioning, qwen2
 from models.sampler import Sampler, SamplingParams, ladder, row_program_set
 from rl import rollout as rollout_lib
 from rl.engine import rows_to_decode
-from rlver_jax import policy as policy_lib
+from models import pretrained
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError
@@ -224,7 +224,7 @@ def test_row_programs_are_a_fixed_set_of_at_most_16():
 def chat_policy(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("engine_policy"))
   tiny.write_checkpoint(path, seed=3)
-  policy = policy_lib.load_policy(path)
+  policy = pretrained.load_policy(path)
   # Larger random weights than the checkpoint's, so greedy replies do not repeat one token;
   # 40 of the 1024 tokens also end a reply, so replies end at different lengths, by stop
   # token or by budget, and dialogues at different turns.
