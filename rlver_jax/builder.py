@@ -8,22 +8,19 @@ retention, generate) only run loops over what this module hands them.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Sequence
 
-import jax
 from absl import logging
 from jax.sharding import Mesh
 
-from models import partitioning, qwen2
+from models import partitioning, pretrained, qwen2
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from rl import learner as learner_lib
 from rl import rollout as rollout_lib
 from rl import system_prompts, updates
 from rl.losses import LossConfig
-from rlver_jax import multihost, simulator_factory, tiny
-from models import pretrained
+from rlver_jax import multihost, simulator_factory
 from sim_user.simulator import SimulatedUser
 
 
@@ -99,26 +96,6 @@ def generation_policy(checkpoint: str, dtype: str, mesh_axes: dict | None,
                                 require_chat_template=require_chat_template)
 
 
-def resolve_policy_checkpoint(config) -> str:
-  """`policy.checkpoint`, or with `policy.tiny_init` the tiny one (written once).
-
-  The tiny one is warmed up (`policy.tiny_warmup_steps`,
-  `policy.tiny_warmup_helpfulness`) with the run's own system prompt.
-  """
-  if config.policy.tiny_init:
-    path = os.path.join(config.workdir, "init_policy")
-    if jax.process_index() == 0 and not os.path.exists(os.path.join(path, "config.json")):
-      system_prompt = system_prompts.resolve(config.rollout.system_prompt,
-                                             language=config.sim_user.language,
-                                             thinking=config.rollout.thinking)
-      tiny.write_checkpoint(path, seed=config.seed, warmup_steps=config.policy.tiny_warmup_steps,
-                            warmup_helpfulness=config.policy.tiny_warmup_helpfulness,
-                            system_prompt=system_prompt)
-    multihost.barrier("tiny init policy written")  # the other hosts read process 0's files
-    return path
-  return config.policy.checkpoint
-
-
 @dataclasses.dataclass
 class TrainingModels:
   """What a training run learns with and samples from."""
@@ -132,9 +109,10 @@ class TrainingModels:
   sampler: Sampler  # the policy's weights on this host's local mesh
 
 
-def training_models(config, loss_cfg: LossConfig, hosts: multihost.Hosts) -> TrainingModels:
-  """Policy, critic (PPO) and reference (KL) learners on the training mesh, and the sampler."""
-  policy_path = resolve_policy_checkpoint(config)
+def training_models(config, policy_path: str, loss_cfg: LossConfig,
+                    hosts: multihost.Hosts) -> TrainingModels:
+  """Policy, critic (PPO) and reference (KL) learners on the training mesh, and the sampler;
+  the policy (and by default the critic) from checkpoint directory `policy_path`."""
   tokenizer = pretrained.load_tokenizer(policy_path)
   load = dict(dtype=config.policy.dtype, param_dtype=config.policy.param_dtype,
               mesh=hosts.train_mesh, remat=config.policy.remat_policy if config.policy.remat else "none",

@@ -42,6 +42,7 @@ from rl import rollout as rollout_lib
 from rlver_jax import builder, compile_cache, config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import multihost, off_policy, preemption, run_config, sharding, simulator_factory
+from rlver_jax import tiny
 from rlver_jax import workdir as workdir_lib
 from sim_user import profiles as profiles_lib
 
@@ -179,7 +180,9 @@ class Trainer:
     # The simulator's health check comes before the policy's warm-up and loading: a dead
     # simulator fails the run in seconds, not after minutes of preparing a policy.
     self.user = builder.simulated_user(config, self.hosts.local_mesh)
-    self.models = builder.training_models(config, self.loss_cfg, self.hosts)
+    policy_path = (tiny.demo_policy(config) if config.policy.tiny_init
+                   else config.policy.checkpoint)
+    self.models = builder.training_models(config, policy_path, self.loss_cfg, self.hosts)
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
         simulator_factory.describe(config.sim_user))

@@ -1,4 +1,5 @@
-"""Stops every host of a multi-host run, naming the lost one, when one host dies, hangs or fails alone.
+"""Stops every host of a multi-host run, naming the lost one, when one host dies, hangs or
+fails alone.
 
 Its own module because it stands on JAX's private coordination client
 (`jax._src.distributed`): what leans on a private API is kept in one place,
