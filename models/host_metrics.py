@@ -16,37 +16,43 @@ simulated user, the rollout and updates of rl/, the trainer.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Iterable, Sequence
 
 import numpy as np
 
-SUM_KIND, MAX_KIND, MEAN_KIND, WEIGHTED_KIND, RATIO_KIND = "sum", "max", "mean", "weighted", "ratio"
+class Kind(enum.Enum):
+  SUM = "sum"
+  MAX = "max"
+  MEAN = "mean"
+  WEIGHTED = "weighted"
+  RATIO = "ratio"
 
 
 @dataclasses.dataclass(frozen=True)
 class Reduction:
   """How hosts combine one metric (build one with SUM, MAX, MEAN, `weighted`, `ratio`)."""
 
-  kind: str
+  kind: Kind
   weight: str = ""  # WEIGHTED: the per-host count each host's value weighs by
   numerator: str = ""  # RATIO: scale x numerator / denominator, of the combined metrics
   denominator: str = ""
   scale: float = 1.0
 
 
-SUM = Reduction(SUM_KIND)  # counts
-MAX = Reduction(MAX_KIND)  # wall times: a step waits for its slowest host
-MEAN = Reduction(MEAN_KIND)  # alike on every host (e.g. the update metrics): their plain mean
+SUM = Reduction(Kind.SUM)  # counts
+MAX = Reduction(Kind.MAX)  # wall times: a step waits for its slowest host
+MEAN = Reduction(Kind.MEAN)  # alike on every host (e.g. the update metrics): their plain mean
 
 
 def weighted(by: str) -> Reduction:
   """Each host's value weighs by its count `by` (its samples, dialogues, ...)."""
-  return Reduction(WEIGHTED_KIND, weight=by)
+  return Reduction(Kind.WEIGHTED, weight=by)
 
 
 def ratio(numerator: str, denominator: str, scale: float = 1.0) -> Reduction:
   """A rate of the combined metrics, not a mean of the hosts' rates."""
-  return Reduction(RATIO_KIND, numerator=numerator, denominator=denominator, scale=scale)
+  return Reduction(Kind.RATIO, numerator=numerator, denominator=denominator, scale=scale)
 
 
 class UndeclaredMetric(LookupError):
@@ -86,7 +92,7 @@ def reduction(name: str) -> Reduction:
         f"metric {name!r} has no declared host reduction: declare it where it is made "
         "(models.host_metrics.declare) as SUM, MAX, MEAN, weighted(count) or ratio(...)")
   how = _FAMILIES[prefix]
-  if how.kind == WEIGHTED_KIND:
+  if how.kind == Kind.WEIGHTED:
     return weighted(how.weight + name[len(prefix):])
   return how
 
@@ -108,14 +114,14 @@ def combine(metrics: Sequence[dict], counts: Sequence[dict]) -> dict:
     how = reduction(key)
     reporting = [h for h, host in enumerate(metrics) if key in host]
     values = [metrics[h][key] for h in reporting]
-    if how.kind == SUM_KIND:
+    if how.kind == Kind.SUM:
       out[key] = sum(values)
-    elif how.kind == MAX_KIND:
+    elif how.kind == Kind.MAX:
       out[key] = max(values)
-    elif how.kind == WEIGHTED_KIND:
+    elif how.kind == Kind.WEIGHTED:
       weights = [counts[h][how.weight] for h in reporting]
       out[key] = float(np.average(values, weights=weights)) if sum(weights) else 0.0
-    elif how.kind == MEAN_KIND:
+    elif how.kind == Kind.MEAN:
       out[key] = float(np.mean(values))
     else:
       ratios[key] = how

@@ -145,7 +145,8 @@ class DecodeStats:
   # Over hosts: the per-row-step figures weigh by row-steps; a step waits for the slowest decode.
   host_metrics.declare({"rollout/slot_efficiency": host_metrics.weighted("rollout/row_steps"),
                         "rollout/cache_occupancy": host_metrics.weighted("rollout/row_steps"),
-                        "rollout/row_steps": host_metrics.SUM, "rollout/decode_s": host_metrics.MAX})
+                        "rollout/row_steps": host_metrics.SUM,
+                        "rollout/decode_s": host_metrics.MAX})
 
   def metrics(self) -> dict:
     """`rollout/` figures of a span: slot efficiency (tokens / row-steps), cache occupancy of
