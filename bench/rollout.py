@@ -46,10 +46,10 @@ import jax
 import numpy as np
 from absl import app, flags, logging
 
+from models import pretrained
 from models.sampler import Sampler
 from rl import rollout as rollout_lib
 from rl.rollout_config import RolloutConfig
-from rlver_jax import policy as policy_lib
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.openai_http import OpenAIChatBackend
@@ -194,7 +194,7 @@ def main(argv):
   with tempfile.TemporaryDirectory() as checkpoint:
     tiny.write_checkpoint(checkpoint, seed=_SEED.value, hidden_size=_HIDDEN.value,
                           num_layers=_LAYERS.value, intermediate_size=2 * _HIDDEN.value)
-    policy = policy_lib.load_policy(checkpoint)
+    policy = pretrained.load_policy(checkpoint)
   sampler = ScheduledSampler(policy.model, schedule, stop_token_ids=policy.sampler.stop_token_ids,
                              pad_id=policy.sampler.pad_id, decode_chunk_steps=_CHUNK.value,
                              sampling_dtype=_SAMPLING_DTYPE.value or None)

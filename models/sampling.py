@@ -14,6 +14,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from models import host_metrics
+
 MIN_CHUNK_BUCKET = 16  # the fewest tokens a prefill chunk is padded to
 MIN_CACHE_BUCKET = 256  # the fewest cache slots a cache holds or a row call attends over
 LADDER_RUNGS = 3  # the sizes of a `ladder`
@@ -88,6 +90,12 @@ class DecodeStats:
   def since(self, earlier: "DecodeStats") -> "DecodeStats":
     return DecodeStats(*(getattr(self, f.name) - getattr(earlier, f.name)
                          for f in dataclasses.fields(self)))
+
+  # Over hosts: the per-row-step figures weigh by row-steps; a step waits for the slowest decode.
+  host_metrics.declare({"rollout/slot_efficiency": host_metrics.weighted("rollout/row_steps"),
+                        "rollout/cache_occupancy": host_metrics.weighted("rollout/row_steps"),
+                        "rollout/row_steps": host_metrics.SUM,
+                        "rollout/decode_s": host_metrics.MAX})
 
   def metrics(self) -> dict:
     """`rollout/` figures of a span: slot efficiency (tokens / row-steps), cache occupancy of

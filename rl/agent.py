@@ -23,6 +23,7 @@ from typing import Sequence
 
 import jax
 
+from models import host_metrics
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from models.sampling import SamplingParams
@@ -98,6 +99,13 @@ class Agent:
     score) or "turn" (each agent turn's emotion change).
     """
     raise NotImplementedError
+
+  # Over hosts: counts sum; the cut-off rate is the sums' (host_metrics).
+  host_metrics.declare({"tokens/generated": host_metrics.SUM,
+                        "agent_turns/generated": host_metrics.SUM,
+                        "agent_turns/cut_off": host_metrics.SUM,
+                        "agent_turns/cut_off_rate": host_metrics.ratio(
+                            "agent_turns/cut_off", "agent_turns/generated", scale=100.0)})
 
   def metrics(self) -> dict:
     return {"tokens/generated": int(sum(self.agent_tokens)),
@@ -246,6 +254,8 @@ class ThinkingTurns(Agent):
       out.append(dataclasses.replace(sample, reward=value, group=groups[sample.dialogue],
                                      token_rewards=[(len(sample.tokens) - 1, value)]))
     return out
+
+  host_metrics.declare({"format_ok_rate": host_metrics.weighted("dialogues")})
 
   def metrics(self):
     return {**super().metrics(), "format_ok_rate": 100.0 * float(

@@ -24,6 +24,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from models import host_metrics
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from models.sampling import SamplingParams
@@ -93,6 +94,23 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
                   "rollout/sim_wait_s": sim_seconds,
                   "rollout/tokens_per_s": agent_metrics["tokens/generated"] / max(wall, 1e-9)})
   return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)
+
+
+# How hosts combine the metrics of `collect` and `rollout_metrics` (models/host_metrics.py): means
+# over samples or dialogues weigh by each host's, counts sum, a step waits for the slowest host.
+host_metrics.declare({
+    "reward/mean": host_metrics.weighted("samples"),
+    "response_len/mean": host_metrics.weighted("samples"),
+    "emotion/final_mean": host_metrics.weighted("kept_dialogues"),
+    "success_rate": host_metrics.weighted("kept_dialogues"),
+    "failure_rate": host_metrics.weighted("kept_dialogues"),
+    "turns/mean": host_metrics.weighted("dialogues"),
+    "dialogues/simulator_failed": host_metrics.SUM, "dialogues/dropped": host_metrics.SUM,
+    "time/rollout": host_metrics.MAX, "time/simulator": host_metrics.MAX,
+    "rollout/sim_wait_s": host_metrics.MAX,
+    "rollout/tokens_per_s": host_metrics.ratio("tokens/generated", "time/rollout")})
+# emotion/final/<intention> weighs by the host's kept dialogues of that intention.
+host_metrics.declare_family("emotion/final/", host_metrics.weighted("emotion/final/"))
 
 
 def rollout_metrics(samples: Sequence[Sample], dialogues: Sequence[Dialogue],

@@ -17,10 +17,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from models import partitioning
+from models import host_metrics, partitioning
 from rl import forward, losses
 from rl.batch import TrainBatch
 from rl.losses import LossConfig
+
+# The update metrics a training step reports, each the mean over the step's finite updates:
+# every host updates on the same global batch, so hosts have them alike (their plain mean).
+UPDATE_METRICS = ("kl", "approx_kl", "entropy", "clip_frac", "pg_clipfrac_lower", "pg_loss",
+                  "value_loss", "value_clip_frac", "grad_norm")
+host_metrics.declare({name: host_metrics.MEAN for name in UPDATE_METRICS})
 
 
 def policy_loss(graphdef, cfg: LossConfig, params, batch: TrainBatch,

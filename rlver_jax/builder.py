@@ -8,22 +8,19 @@ retention, generate) only run loops over what this module hands them.
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Sequence
 
-import jax
 from absl import logging
 from jax.sharding import Mesh
 
-from models import partitioning, qwen2
+from models import partitioning, pretrained, qwen2
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from rl import learner as learner_lib
 from rl import system_prompts, updates
 from rl.losses import LossConfig
 from rl.rollout_config import RolloutConfig
-from rlver_jax import multihost, simulator_factory, tiny
-from rlver_jax import policy as policy_lib
+from rlver_jax import multihost, simulator_factory
 from sim_user.simulator import SimulatedUser
 
 
@@ -84,41 +81,21 @@ def simulated_user(config, mesh: Mesh | None) -> SimulatedUser:
   return user
 
 
-def inference_policy(config, mesh: Mesh | None) -> policy_lib.Policy:
+def inference_policy(config, mesh: Mesh | None) -> pretrained.Policy:
   """The `policy` section's checkpoint with tokenizer, formatter and sampler, for generation.
 
   An empty `policy.param_dtype` stores the weights in the compute dtype.
   """
-  return policy_lib.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
+  return pretrained.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
                                 param_dtype=config.policy.param_dtype or None, mesh=mesh)
 
 
 def generation_policy(checkpoint: str, dtype: str, mesh_axes: dict | None,
-                      stops: Sequence[str], require_chat_template: bool) -> policy_lib.Policy:
+                      stops: Sequence[str], require_chat_template: bool) -> pretrained.Policy:
   """A checkpoint for the generate CLI, on a mesh of `mesh_axes` (None: one device)."""
   mesh = partitioning.make_mesh(mesh_axes) if mesh_axes else None
-  return policy_lib.load_policy(checkpoint, dtype=dtype, mesh=mesh, stops=stops,
+  return pretrained.load_policy(checkpoint, dtype=dtype, mesh=mesh, stops=stops,
                                 require_chat_template=require_chat_template)
-
-
-def resolve_policy_checkpoint(config) -> str:
-  """`policy.checkpoint`, or with `policy.tiny_init` the tiny one (written once).
-
-  The tiny one is warmed up (`policy.tiny_warmup_steps`,
-  `policy.tiny_warmup_helpfulness`) with the run's own system prompt.
-  """
-  if config.policy.tiny_init:
-    path = os.path.join(config.workdir, "init_policy")
-    if jax.process_index() == 0 and not os.path.exists(os.path.join(path, "config.json")):
-      system_prompt = system_prompts.resolve(config.rollout.system_prompt,
-                                             language=config.sim_user.language,
-                                             thinking=config.rollout.thinking)
-      tiny.write_checkpoint(path, seed=config.seed, warmup_steps=config.policy.tiny_warmup_steps,
-                            warmup_helpfulness=config.policy.tiny_warmup_helpfulness,
-                            system_prompt=system_prompt)
-    multihost.barrier("tiny init policy written")  # the other hosts read process 0's files
-    return path
-  return config.policy.checkpoint
 
 
 @dataclasses.dataclass
@@ -134,10 +111,11 @@ class TrainingModels:
   sampler: Sampler  # the policy's weights on this host's local mesh
 
 
-def training_models(config, loss_cfg: LossConfig, hosts: multihost.Hosts) -> TrainingModels:
-  """Policy, critic (PPO) and reference (KL) learners on the training mesh, and the sampler."""
-  policy_path = resolve_policy_checkpoint(config)
-  tokenizer = policy_lib.load_tokenizer(policy_path)
+def training_models(config, policy_path: str, loss_cfg: LossConfig,
+                    hosts: multihost.Hosts) -> TrainingModels:
+  """Policy, critic (PPO) and reference (KL) learners on the training mesh, and the sampler;
+  the policy (and by default the critic) from checkpoint directory `policy_path`."""
+  tokenizer = pretrained.load_tokenizer(policy_path)
   load = dict(dtype=config.policy.dtype, param_dtype=config.policy.param_dtype,
               mesh=hosts.train_mesh, remat=config.policy.remat_policy if config.policy.remat else "none",
               attention=config.policy.attention)
@@ -157,7 +135,7 @@ def training_models(config, loss_cfg: LossConfig, hosts: multihost.Hosts) -> Tra
   if config.rl.kl_coef:
     reference = learner_lib.Learner(
         qwen2.from_pretrained(policy_path, **{**load, "remat": False}), mesh=hosts.train_mesh)
-  sampler = Sampler(hosts.local_model(model), stop_token_ids=policy_lib.stop_token_ids(
+  sampler = Sampler(hosts.local_model(model), stop_token_ids=pretrained.stop_token_ids(
                         tokenizer, eos_token_id=model.config.eos_token_id),
                     pad_id=tokenizer.pad_token_id or 0, mesh=hosts.local_mesh,
                     sampling_dtype=config.rollout.sampling_dtype or None,

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from models.errors import RunStopped
 from rl import keys
 from rl import rollout as rollout_lib
-from rlver_jax import builder, cli, config_checks, multihost, run_config, sharding
+from rlver_jax import builder, cli, config_checks, multihost, run_config, sharding, watchdog
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import simulator_factory
 from rlver_jax import workdir as workdir_lib
@@ -276,4 +276,4 @@ def _write_records(path: str, records: Sequence[dict]) -> None:
 
 
 if __name__ == "__main__":
-  cli.run("eval.py", "evaluation config file[:variant]", multihost.guarded(evaluate_with_baseline))
+  cli.run("eval.py", "evaluation config file[:variant]", watchdog.guarded(evaluate_with_baseline))

@@ -22,13 +22,12 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
-from models import partitioning
+from models import partitioning, pretrained
 from models.chat import ChatFormatter
 from models.errors import UserInputError
 from models.sampling import SamplingParams
 from rl import keys
 from rlver_jax import builder
-from rlver_jax import policy as policy_lib
 
 
 class InputError(UserInputError):
@@ -117,7 +116,7 @@ def _request_ids(line: str, formatter: ChatFormatter, vocab_size: int) -> list[i
   return ids
 
 
-def load(args) -> policy_lib.Policy:
+def load(args) -> pretrained.Policy:
   stops = [name.strip() for name in args.stop.split(",") if name.strip()]
   return builder.generation_policy(args.checkpoint, args.dtype,
                                    partitioning.parse_mesh(args.mesh), stops,

@@ -5,7 +5,7 @@
       --config.policy.checkpoint=DIR --config.rl.kl_coef=0.01   # any field can be overridden
 """
 
-from rlver_jax import cli, multihost, preemption, trainer
+from rlver_jax import cli, preemption, trainer, watchdog
 
 
 def train(config) -> None:
@@ -14,4 +14,4 @@ def train(config) -> None:
 
 
 if __name__ == "__main__":
-  cli.run("demo.py", "training config file[:variant]", multihost.guarded(train))
+  cli.run("demo.py", "training config file[:variant]", watchdog.guarded(train))

@@ -19,54 +19,34 @@ Design (the one Tunix and verl follow in their own ways):
   `jax.make_array_from_process_local_data` because it leaves every batch
   computation of `rl/` unchanged and host-count independent, for one
   all-gather of int32 tokens per step.
-- Metrics are reduced over hosts (`Hosts.reduce_metrics`) and written by
-  process 0; Orbax checkpoints are written by all hosts together.
+- Metrics are reduced over hosts (`Hosts.reduce_metrics`), each as its maker
+  declared (`models/host_metrics.py`), and written by process 0; Orbax
+  checkpoints are written by all hosts together.
 
-With one process every method is the identity of the single-host path.
+With one process every method is the identity of the single-host path. What stops
+every host when one is lost is `rlver_jax/watchdog.py`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import math
-import os
-import sys
-import threading
-import time
 from typing import Any, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
-from absl import logging
-from jax._src import distributed
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 
-from models import partitioning
+from models import host_metrics, partitioning
 from models.sampling import bucket_size
 from rl import batch as batch_lib
 from rl.batch import Sample
 from rl.rollout import Rollout
-from rlver_jax import sharding
 from sim_user.profiles import Profile
 from sim_user.simulator import Dialogue
-
-# How a step metric combines over hosts: sums, maxima, or means weighted by a count
-# (the weight's name); any other metric is the plain mean over hosts (e.g. the update
-# metrics, identical on every host).
-_SUMMED_PREFIXES = ("sim/", "dialogues/", "tokens/", "agent_turns/")
-_SUMMED = ("samples", "skipped_updates", "rollout/row_steps")
-# A step waits for its slowest host.
-_MAXED_PREFIXES = ("time/", "rollout/decode_s", "rollout/sim_wait_s")
-_WEIGHTS = {"reward/mean": "samples", "response_len/mean": "samples",
-            "emotion/final_mean": "kept_dialogues", "success_rate": "kept_dialogues",
-            "failure_rate": "kept_dialogues", "turns/mean": "dialogues",
-            "format_ok_rate": "dialogues", "rollout/slot_efficiency": "rollout/row_steps",
-            "rollout/cache_occupancy": "rollout/row_steps"}
-
 
 def allgather_json(value: Any) -> list[Any]:
   """Every host's JSON-serialisable `value`, in process order (a collective: all hosts call)."""
@@ -78,134 +58,6 @@ def allgather_json(value: Any) -> list[Any]:
   padded[:len(data)] = data
   gathered = multihost_utils.process_allgather(padded).reshape(len(lengths), -1)
   return [json.loads(bytes(row[:n]).decode()) for row, n in zip(gathered, lengths)]
-
-
-LOST_HOST_EXIT_CODE = 3
-
-
-class LostHostError(RuntimeError):
-  pass
-
-
-_EXITED_KEY = "rlver/exited"  # "process N: why", set by a host that stops the run
-_BEAT_DIR = "rlver/beat/"  # rlver/beat/N: a counter host N's watcher raises every poll
-_FINISHED = "finished"  # the last beat of a host that left the run normally
-
-
-@contextlib.contextmanager
-def stop_when_a_host_is_lost(answer_within_s: float | None = None, poll_s: float = 0.5):
-  """Stops every host, with an error naming the lost one, when one host dies, hangs or fails alone.
-
-  JAX's own answer to a lost host is an abort of every other host once the
-  coordination service misses its heartbeats for RLVER_HEARTBEAT_TIMEOUT_S
-  (SIGABRT, a thread dump, no word on which host). To answer first, a watcher
-  thread on every host posts a beat every `poll_s` and reads the others': a
-  host whose beat has not moved for `answer_within_s` (default: half the
-  heartbeat timeout) is lost, whatever this host is doing meanwhile (a
-  rollout that makes no collective call, or a collective that waits for the
-  lost host). A host that raises checks in with the others and waits up to
-  `answer_within_s` for them: if all check in (an error raised on every host
-  alike), the error is re-raised unchanged. Either way a host that finds a
-  lost one posts why it stops and exits with LOST_HOST_EXIT_CODE at once
-  (JAX's shutdown barrier would wait for the lost host); every other host's
-  watcher reads that post within `poll_s` and exits the same way.
-  """
-  client = distributed.global_state.client
-  if client is None or jax.process_count() == 1:
-    yield
-    return
-  if answer_within_s is None:
-    answer_within_s = sharding.heartbeat_timeout_s() / 2
-  me, count = jax.process_index(), jax.process_count()
-  done = threading.Event()
-
-  def stop(lost: list[int], cause: str) -> None:
-    done.set()
-    why = (f"stopping: process(es) {lost} did not answer within {answer_within_s:g} s; "
-           f"here: {cause}")
-    try:  # the other hosts' watchers read this and stop too
-      client.key_value_set(_EXITED_KEY, f"process {me}: {why}", allow_overwrite=True)
-    except Exception:  # the coordinator, in process 0, is gone
-      pass
-    _exit(f"process {me} of {count}: {why}")
-
-  def watch():
-    beat = 0
-    last_moved = {peer: (None, time.monotonic()) for peer in range(count) if peer != me}
-    unreachable_since = None
-    while not done.wait(poll_s):
-      now = time.monotonic()
-      try:
-        client.key_value_set(f"{_BEAT_DIR}{me}", str(beat), allow_overwrite=True)
-        posted = dict(client.key_value_dir_get("rlver/"))
-      except Exception:  # the coordinator does not answer
-        unreachable_since = unreachable_since or now
-        if now - unreachable_since > answer_within_s and not done.is_set():
-          stop([0], "the coordinator (process 0) does not answer")
-        continue
-      unreachable_since = None
-      beat += 1
-      post = posted.get(_EXITED_KEY)
-      if post is not None and not post.startswith(f"process {me}:"):
-        _exit(f"process {me} of {count}: {post}")
-      for peer, (seen, _) in list(last_moved.items()):
-        value = posted.get(f"{_BEAT_DIR}{peer}")
-        if value == _FINISHED:
-          del last_moved[peer]
-        elif value != seen:
-          last_moved[peer] = (value, now)
-      silent = sorted(p for p, (_, since) in last_moved.items() if now - since > answer_within_s)
-      if silent and not done.is_set():
-        stop(silent, "no heartbeat from them")
-
-  watcher = threading.Thread(target=watch, name="lost-host watcher", daemon=True)
-  watcher.start()
-  try:
-    yield
-  except Exception as e:
-    cause = f"{type(e).__name__}: {str(e)[:300]}"
-    try:
-      client.key_value_set(f"rlver/alive_after_error/{me}", "1", allow_overwrite=True)
-    except Exception:  # the coordinator, in process 0, is gone
-      lost = [0]
-    else:
-      lost = []
-      for peer in range(count):
-        try:
-          client.blocking_key_value_get(f"rlver/alive_after_error/{peer}",
-                                        int(answer_within_s * 1000))
-        except Exception:  # the coordinator's timeout: the peer never checked in
-          lost.append(peer)
-    if lost:
-      stop(lost, cause)
-    raise
-  finally:
-    done.set()
-    watcher.join()  # no coordinator call may outlive the client's shutdown
-    try:  # a host that leaves normally is not lost
-      client.key_value_set(f"{_BEAT_DIR}{me}", _FINISHED, allow_overwrite=True)
-    except Exception:
-      pass
-
-
-def guarded(fn):
-  """`fn(config)` with jax.distributed started and `stop_when_a_host_is_lost` around it."""
-
-  def run(config):
-    sharding.maybe_initialize_distributed()
-    with stop_when_a_host_is_lost():
-      return fn(config)
-
-  return run
-
-
-def _exit(message: str) -> None:
-  error = LostHostError(f"{message}. Relaunch every process with the same command to resume "
-                        "from the last checkpoint")
-  logging.error("%s", error)
-  print(f"error: {error}", file=sys.stderr, flush=True)
-  logging.flush()
-  os._exit(LOST_HOST_EXIT_CODE)
 
 
 def barrier(name: str) -> None:
@@ -363,8 +215,6 @@ class Hosts:
 
   def reduce_step_metrics(self, metrics: dict, rollout: Rollout) -> dict:
     """A training step's metrics over all hosts; `rollout` is this host's share."""
-    if self.count == 1:
-      return metrics
     kept = [d for d in rollout.dialogues if not d.dropped]
     counts = {"samples": len(rollout.samples), "dialogues": len(rollout.dialogues),
               "kept_dialogues": len(kept),
@@ -372,42 +222,21 @@ class Hosts:
     for d in kept:  # the weights of emotion/final/<intention>
       key = f"emotion/final/{d.profile.intention}"
       counts[key] = counts.get(key, 0) + 1
-    out = self.reduce_metrics(metrics, counts)
-    # Rates of the sums, not means of the hosts' rates.
-    for rate in ("tokens_per_s", "rollout/tokens_per_s"):
-      if rate in out:
-        out[rate] = out["tokens/generated"] / max(out["time/rollout"], 1e-9)
-    if "agent_turns/cut_off_rate" in out:
-      out["agent_turns/cut_off_rate"] = (100.0 * out["agent_turns/cut_off"]
-                                         / max(out["agent_turns/generated"], 1))
-    return out
+    return self.reduce_metrics(metrics, counts)
 
   def reduce_metrics(self, metrics: dict, counts: dict) -> dict:
-    """Metrics over all hosts (`counts`: this host's samples, dialogues, ... as weights).
+    """Metrics over all hosts, each by the reduction its maker declared (`models/host_metrics.py`);
+    `counts`: this host's samples, dialogues, ... that weighted metrics weigh by.
 
-    A metric named in `counts` is weighted by that count; one named in _WEIGHTS by the
-    count it names there.
+    With one host too a metric without a declared reduction raises: a new metric
+    fails its first test run, not the first multi-host run.
     """
+    host_metrics.check_declared(metrics)
     if self.count == 1:
       return metrics
     hosts = allgather_json({"metrics": {k: _plain(v) for k, v in metrics.items()},
                             "counts": counts})
-    keys = sorted({k for h in hosts for k in h["metrics"]})
-    out = {}
-    for key in keys:
-      # Hosts without the key had nothing of it (no dialogue of that intention, say).
-      reporting = [h for h in hosts if key in h["metrics"]]
-      values = [h["metrics"][key] for h in reporting]
-      if key in _SUMMED or key.startswith(_SUMMED_PREFIXES):
-        out[key] = sum(values)
-      elif key.startswith(_MAXED_PREFIXES):
-        out[key] = max(values)
-      elif key in _WEIGHTS or all(key in h["counts"] for h in reporting):
-        weights = [h["counts"][_WEIGHTS.get(key, key)] for h in reporting]
-        out[key] = float(np.average(values, weights=weights)) if sum(weights) else 0.0
-      else:
-        out[key] = float(np.mean(values))
-    return out
+    return host_metrics.combine([h["metrics"] for h in hosts], [h["counts"] for h in hosts])
 
 
 def _plain(value):

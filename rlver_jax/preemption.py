@@ -9,7 +9,7 @@ collective at fixed points of each step, so a signal that reached one host
 stops all), the last finished step is checkpointed, and the run exits with
 PREEMPTED_EXIT_CODE and one line, so a supervisor can tell "preempted, run me
 again" (the same command resumes) from "failed" (1) and "a host was lost"
-(multihost.LOST_HOST_EXIT_CODE). A second signal ends the process at once.
+(watchdog.LOST_HOST_EXIT_CODE). A second signal ends the process at once.
 A signal while the trainer starts (loading, the demo's warm-up) stops it there
 with the same exit status: nothing was trained, so nothing is saved.
 """

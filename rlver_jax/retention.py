@@ -30,7 +30,7 @@ from tqdm import tqdm
 from models.sampling import SamplingParams
 from models.errors import UserInputError
 from rl import keys
-from rlver_jax import builder, cli, multihost, sharding
+from rlver_jax import builder, cli, multihost, sharding, watchdog
 from rlver_jax import workdir as workdir_lib
 from sim_user.jsonl import iter_jsonl
 from sim_user.thinking import strip_thinking
@@ -278,4 +278,4 @@ def evaluate(config) -> dict:
 
 
 if __name__ == "__main__":
-  cli.run("retention.py", "retention config file", multihost.guarded(evaluate))
+  cli.run("retention.py", "retention config file", watchdog.guarded(evaluate))

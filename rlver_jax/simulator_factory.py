@@ -5,7 +5,6 @@ from __future__ import annotations
 from models.errors import UserInputError
 from models.sampling import SamplingParams
 from rl import keys
-from rlver_jax import policy as policy_lib
 from sim_user import dynamics
 from sim_user.backends.flax_llm import FlaxLLMBackend
 from sim_user.backends.openai_http import OpenAIChatBackend
@@ -30,11 +29,9 @@ def make_backend(cfg, mesh=None, seed: int = 0):
     if not cfg.checkpoint:
       raise ValueError("sim_user.backend=flax needs --config.sim_user.checkpoint=DIR "
                        "(an HF Qwen2 checkpoint for the simulator)")
-    simulator = policy_lib.load_policy(cfg.checkpoint,
-                                       dtype="float32" if mesh is None else "bfloat16", mesh=mesh)
     sampling = SamplingParams(max_new_tokens=cfg.max_tokens, temperature=cfg.temperature)
-    return FlaxLLMBackend(simulator.sampler, simulator.tokenizer, sampling,
-                          key=keys.stream(seed, keys.SIMULATOR))
+    return FlaxLLMBackend.from_checkpoint(cfg.checkpoint, sampling,
+                                          keys.stream(seed, keys.SIMULATOR), mesh)
   raise ValueError(f"sim_user.backend={cfg.backend!r}; expected one of {BACKENDS}")
 
 

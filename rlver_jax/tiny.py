@@ -25,6 +25,8 @@ from absl import app, flags, logging
 from flax import nnx
 
 from models import chat, qwen2
+from rl import system_prompts
+from rlver_jax import multihost
 
 ASSETS = os.path.join(os.path.dirname(__file__), "assets")
 TOKENIZER_DIR = os.path.join(ASSETS, "tiny_tokenizer")
@@ -195,6 +197,25 @@ def write_checkpoint(out_dir: str, *, seed: int = 0, warmup_steps: int = 0,
   for name in os.listdir(TOKENIZER_DIR):
     shutil.copy(os.path.join(TOKENIZER_DIR, name), os.path.join(out_dir, name))
   return config
+
+
+def demo_policy(config) -> str:
+  """W/init_policy, the policy a run with `policy.tiny_init` (the demo) starts from: written
+  by process 0 on the run's first start, a tiny model warmed up (`policy.tiny_warmup_steps`,
+  `policy.tiny_warmup_helpfulness`) with the run's own system prompt.
+
+  Here with the demo's model, so the general builder knows no demo.
+  """
+  path = os.path.join(config.workdir, "init_policy")
+  if jax.process_index() == 0 and not os.path.exists(os.path.join(path, "config.json")):
+    system_prompt = system_prompts.resolve(config.rollout.system_prompt,
+                                           language=config.sim_user.language,
+                                           thinking=config.rollout.thinking)
+    write_checkpoint(path, seed=config.seed, warmup_steps=config.policy.tiny_warmup_steps,
+                     warmup_helpfulness=config.policy.tiny_warmup_helpfulness,
+                     system_prompt=system_prompt)
+  multihost.barrier("tiny init policy written")  # the other hosts read process 0's files
+  return path
 
 
 def main(argv):

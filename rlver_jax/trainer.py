@@ -32,16 +32,17 @@ import orbax.checkpoint as ocp
 from absl import logging
 from tqdm import tqdm
 
-from models import partitioning, qwen2
+from models import host_metrics, partitioning, qwen2
 from models.errors import RunStopped
 from rl import advantages as advantages_lib
 from rl import batch as batch_lib
-from rl import forward, learner
+from rl import forward, learner, updates
 from rl import keys
 from rl import rollout as rollout_lib
 from rlver_jax import builder, compile_cache, config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import multihost, off_policy, preemption, run_config, sharding, simulator_factory
+from rlver_jax import tiny
 from rlver_jax import workdir as workdir_lib
 from sim_user import profiles as profiles_lib
 
@@ -126,9 +127,13 @@ def checkpoint_due(step: int, final_step: int, every: int, every_minutes: float,
 # a few seconds of drawing against steps of seconds (the demo) to minutes (the recipes).
 PLOT_EVERY_STEPS = 5
 
-# The update metrics a step reports, each the mean over the step's finite updates.
-UPDATE_METRICS = ("kl", "approx_kl", "entropy", "clip_frac", "pg_clipfrac_lower", "pg_loss",
-                  "value_loss", "value_clip_frac", "grad_norm")
+# How hosts combine the metrics a step adds to its rollout's and updates' (models/host_metrics.py).
+host_metrics.declare({
+    "tokens_per_s": host_metrics.ratio("tokens/generated", "time/rollout"),
+    "rollout/policy_lag": host_metrics.MEAN, "rollout/wait_s": host_metrics.MAX,
+    "untrained/simulator": host_metrics.MEAN, "updates": host_metrics.MEAN,
+    "lr": host_metrics.MEAN, "skipped_updates": host_metrics.SUM, "samples": host_metrics.SUM,
+    "time/train": host_metrics.MAX})
 
 
 class Trainer:
@@ -175,7 +180,9 @@ class Trainer:
     # The simulator's health check comes before the policy's warm-up and loading: a dead
     # simulator fails the run in seconds, not after minutes of preparing a policy.
     self.user = builder.simulated_user(config, self.hosts.local_mesh)
-    self.models = builder.training_models(config, self.loss_cfg, self.hosts)
+    policy_path = (tiny.demo_policy(config) if config.policy.tiny_init
+                   else config.policy.checkpoint)
+    self.models = builder.training_models(config, policy_path, self.loss_cfg, self.hosts)
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
         simulator_factory.describe(config.sim_user))
@@ -416,7 +423,7 @@ class Trainer:
     # A metric the step's losses do not make (GRPO's value loss, the dual clip's share
     # without a dual clip) is absent, not 0.
     out.update({key: float(np.mean([m[key] for m in finite]))
-                for key in UPDATE_METRICS if key in finite[0]})
+                for key in updates.UPDATE_METRICS if key in finite[0]})
     out.update({
         "updates": len(update_metrics), "lr": policy_lr,
         "skipped_updates": skipped, "time/train": train_seconds,

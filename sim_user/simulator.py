@@ -21,6 +21,7 @@ import re
 import threading
 from typing import Callable, Sequence
 
+from models import host_metrics
 from sim_user import dynamics, parser
 from sim_user.backends.base import OPENING, PLANNING, REPLY, Backend, BackendError, SimRequest
 from sim_user.profiles import Profile
@@ -67,6 +68,9 @@ class Dialogue:
 
 
 class SimulatedUser:
+
+  # Its event counters (`metrics`, sim/...) sum over hosts (models/host_metrics.py).
+  host_metrics.declare_family("sim/", host_metrics.SUM)
 
   def __init__(self, backend: Backend, emotion_rules: dynamics.EmotionRules, prompts: PromptSet, *,
                max_retries: int = 2, on_failure: str = END_FAILED,

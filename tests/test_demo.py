@@ -14,7 +14,7 @@ from configs import eval as eval_config
 from rlver_jax import eval as evaluator
 from models.sampling import SamplingParams
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import policy as policy_lib
+from models import pretrained
 from rlver_jax import tiny, trainer
 from sim_user import dynamics, profiles, templates
 from sim_user.backends import scripted
@@ -290,7 +290,7 @@ def test_the_warmed_up_policy_speaks_every_kind_of_support_to_anyone(tmp_path):
   tiny.write_checkpoint(checkpoint, seed=0, warmup_steps=WARMUP_STEPS,
                         warmup_helpfulness=config.policy.tiny_warmup_helpfulness,
                         system_prompt=config.rollout.system_prompt)
-  policy = policy_lib.load_policy(checkpoint)
+  policy = pretrained.load_policy(checkpoint)
   prompts = [policy.formatter.prompt_ids([{"role": "system", "content": "You are a caring listener."},
                                    {"role": "user", "content": p.first_talk}])
              for p in DEMO for _ in range(8)]

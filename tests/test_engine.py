@@ -12,14 +12,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import partitioning, qwen2
+from models import partitioning, pretrained, qwen2
 from models.row_sampler import row_program_set
 from models.sampler import Sampler
 from models.sampling import SamplingParams, ladder
 from rl import rollout as rollout_lib
 from rl.engine import rows_to_decode
 from rl.rollout_config import RolloutConfig
-from rlver_jax import policy as policy_lib
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError
@@ -227,7 +226,7 @@ def test_row_programs_are_a_fixed_set_of_at_most_16():
 def chat_policy(tmp_path_factory):
   path = str(tmp_path_factory.mktemp("engine_policy"))
   tiny.write_checkpoint(path, seed=3)
-  policy = policy_lib.load_policy(path)
+  policy = pretrained.load_policy(path)
   # Larger random weights than the checkpoint's, so greedy replies do not repeat one token;
   # 40 of the 1024 tokens also end a reply, so replies end at different lengths, by stop
   # token or by budget, and dialogues at different turns.

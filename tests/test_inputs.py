@@ -12,7 +12,8 @@ import pytest
 
 from models import checkpoint_io, safetensors_io
 from models.errors import MissingInputError, UserInputError
-from rlver_jax import plan, policy, retention, tiny
+from models import pretrained
+from rlver_jax import plan, retention, tiny
 from sim_user import profiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -154,19 +155,19 @@ def test_checkpoint_without_tokenizer_files(tmp_path):
   directory = tokenizer_dir(tmp_path, 1024)
   os.remove(os.path.join(directory, "tokenizer.json"))  # transformers would build a 1-token one
   with pytest.raises(MissingInputError, match=f"{directory}: no tokenizer files"):
-    policy.load_tokenizer(directory)
+    pretrained.load_tokenizer(directory)
 
 
 def test_tokenizer_larger_than_the_model_vocabulary(tmp_path):
   directory = tokenizer_dir(tmp_path, 64)
   with pytest.raises(UserInputError, match=r"tokenizer has \d+ tokens but config.json's "
                                            "vocab_size is 64"):
-    policy.load_tokenizer(directory)
+    pretrained.load_tokenizer(directory)
 
 
 def test_a_sound_tokenizer_loads(tmp_path):
-  tokenizer = policy.load_tokenizer(tokenizer_dir(tmp_path, 1024))
-  assert len(tokenizer) >= policy.MIN_TOKENIZER_SIZE and tokenizer("hello")["input_ids"]
+  tokenizer = pretrained.load_tokenizer(tokenizer_dir(tmp_path, 1024))
+  assert len(tokenizer) >= pretrained.MIN_TOKENIZER_SIZE and tokenizer("hello")["input_ids"]
 
 
 def test_training_cli_reports_missing_tokenizer_files_in_one_line(tmp_path):

@@ -11,12 +11,13 @@ import jax
 import numpy as np
 import pytest
 
-from models import qwen2
+from models import host_metrics, qwen2
 from models.sampler import Sampler
 from models.sampling import SamplingParams
 from rlver_jax import metrics as metrics_lib
+from rl import updates
 from rl.rollout import Rollout
-from rlver_jax import multihost, tiny
+from rlver_jax import multihost, tiny, watchdog
 from sim_user import profiles
 from tests.conftest import fake_cpu_devices
 from tests.test_multiprocess import _free_port
@@ -127,7 +128,7 @@ def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path, how):
     assert os.path.isdir(first_checkpoint), "step 1 was not checkpointed"
     procs[1].send_signal(how)
     lost_at = time.monotonic()
-    assert procs[0].wait(timeout=120) == multihost.LOST_HOST_EXIT_CODE, log_of(workdir, 0)[-3000:]
+    assert procs[0].wait(timeout=120) == watchdog.LOST_HOST_EXIT_CODE, log_of(workdir, 0)[-3000:]
     assert time.monotonic() - lost_at < 60
   finally:
     procs[1].kill()
@@ -174,10 +175,10 @@ def test_the_tpu_launcher_variable_starts_jax_distributed(monkeypatch):
 ONE_HOST_FAILS = textwrap.dedent("""
     import numpy as np
     from jax.experimental import multihost_utils
-    from rlver_jax import multihost, sharding
+    from rlver_jax import sharding, watchdog
     assert sharding.maybe_initialize_distributed()
     import jax
-    with multihost.stop_when_a_host_is_lost(answer_within_s=3):
+    with watchdog.stop_when_a_host_is_lost(answer_within_s=3):
       if jax.process_index() == 1:
         raise ValueError("no samples here")
       multihost_utils.process_allgather(np.zeros(1))  # process 0 waits in a collective
@@ -197,7 +198,7 @@ def test_an_error_on_one_host_stops_the_other_naming_it():
   finally:
     for p in procs:
       p.kill()
-  assert [p.returncode for p in procs] == [multihost.LOST_HOST_EXIT_CODE] * 2, outputs
+  assert [p.returncode for p in procs] == [watchdog.LOST_HOST_EXIT_CODE] * 2, outputs
   assert ("process 0 of 2: process 1: stopping: process(es) [0] did not answer within 3 s; "
           "here: ValueError: no samples here") in outputs[0]
   assert "process 1 of 2: stopping" in outputs[1]
@@ -218,6 +219,27 @@ def test_step_metrics_combine_by_kind(monkeypatch):
   assert out["reward/mean"] == pytest.approx((3 * 0.5 + 0.1) / 4)  # weighted by samples
   assert out["emotion/final_mean"] == pytest.approx((4 * 40 + 10) / 5)  # by kept dialogues
   assert out["sim/retries"] == 2 and out["time/rollout"] == 5.0 and out["grad_norm"] == 1.5
+  assert "grad_norm" in updates.UPDATE_METRICS  # declared there: alike on every host
+
+
+def test_a_metric_without_a_declared_reduction_fails_on_one_host_too(monkeypatch):
+  hosts = object.__new__(multihost.Hosts)
+  hosts.count = 1
+  with pytest.raises(host_metrics.UndeclaredMetric, match="'new/metric'"):
+    hosts.reduce_metrics({"reward/mean": 0.5, "new/metric": 1.0}, {})
+  hosts.count = 2
+  monkeypatch.setattr(multihost, "allgather_json", lambda value: [
+      {"metrics": {"new/metric": 1.0}, "counts": {}}] * 2)
+  with pytest.raises(host_metrics.UndeclaredMetric):  # another host's metric too
+    hosts.reduce_metrics({}, {})
+
+
+def test_a_metric_family_weighs_by_its_family_of_counts():
+  assert host_metrics.reduction("emotion/final/listen") == host_metrics.weighted(
+      "emotion/final/listen")
+  assert host_metrics.reduction("sim/http/attempts") == host_metrics.SUM
+  with pytest.raises(ValueError, match="declared twice"):
+    host_metrics.declare({"reward/mean": host_metrics.SUM})
 
 
 def test_rates_and_per_intention_emotions_weigh_each_hosts_share(monkeypatch):

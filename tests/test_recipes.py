@@ -37,7 +37,7 @@ from rl.losses import LossConfig
 from rlver_jax import config_checks
 from rlver_jax import eval as evaluator
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import policy as policy_lib
+from models import pretrained
 from rlver_jax import retention, tiny, trainer
 from sim_user import profiles
 
@@ -311,7 +311,7 @@ def test_eval_reports_the_system_prompt_and_the_share_of_cut_off_turns(tmp_path,
   tokenizer = tiny.load_tokenizer()
   sampler = CutOffSampler(tokenizer.encode("<think>hm</think>I hear you."),
                           tokenizer.convert_tokens_to_ids("<|im_end|>"))
-  monkeypatch.setattr(policy_lib, "load_policy", lambda *a, **k: policy_lib.Policy(
+  monkeypatch.setattr(pretrained, "load_policy", lambda *a, **k: pretrained.Policy(
       model=None, tokenizer=tokenizer, formatter=ChatFormatter(tokenizer),
       sampler=sampler))
   config = eval_config.get_config("think")

@@ -3,6 +3,7 @@
 import http.server
 import logging
 import threading
+import types
 
 import jax
 import pytest
@@ -10,7 +11,7 @@ import pytest
 from models import qwen2
 from models.sampler import Sampler
 from models.sampling import SamplingParams
-from rlver_jax import tiny
+from rlver_jax import simulator_factory, tiny
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError
 from sim_user.backends.flax_llm import FlaxLLMBackend
@@ -118,6 +119,16 @@ def test_flax_llm_backend_answers_every_request(tmp_path):
   dialogues = user.start(profiles.load_profiles(profiles.DEMO_PROFILES)[:2])
   user.respond(dialogues, ["hello", "hi"])
   assert all(d.end_reason == "simulator_error" and "unparsable" in d.failure for d in dialogues)
+
+
+def test_the_flax_simulator_loads_its_checkpoint_itself(tmp_path):
+  tiny.write_checkpoint(str(tmp_path), seed=2)
+  cfg = types.SimpleNamespace(backend="flax", checkpoint=str(tmp_path), max_tokens=8,
+                              temperature=0.5)
+  backend = simulator_factory.make_backend(cfg, mesh=None, seed=3)
+  assert isinstance(backend, FlaxLLMBackend)  # FlaxLLMBackend.from_checkpoint, through models/
+  assert backend.params.max_new_tokens == 8 and backend.params.temperature == 0.5
+  assert len(backend.tokenizer) == len(tiny.load_tokenizer())
 
 
 class DeadBackend:

@@ -6,6 +6,7 @@ from typing import Sequence
 
 import jax
 
+from models import pretrained
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from models.sampling import SamplingParams
@@ -28,6 +29,15 @@ class FlaxLLMBackend:
     self.max_batch_size = max_batch_size
     self.max_prompt_tokens = max_prompt_tokens
     self._calls = 0
+
+  @classmethod
+  def from_checkpoint(cls, checkpoint: str, params: SamplingParams, key: jax.Array,
+                      mesh=None) -> FlaxLLMBackend:
+    """The simulator of HF checkpoint directory `checkpoint`: float32 on one device, bfloat16
+    over `mesh` (there it shares the devices with the policy being trained)."""
+    simulator = pretrained.load_policy(checkpoint, dtype="float32" if mesh is None else "bfloat16",
+                                       mesh=mesh)
+    return cls(simulator.sampler, simulator.tokenizer, params, key)
 
   def complete(self, requests: Sequence[SimRequest]) -> list[str | BackendError]:
     prompts = [self.formatter.prompt_ids([{"role": "user", "content": r.prompt}])

@@ -1,4 +1,9 @@
-"""Loading a checkpoint for generation: model, tokenizer, chat formatter and sampler together."""
+"""Loading a checkpoint for generation: model, tokenizer, chat formatter and sampler together.
+
+Under models/ so that every layer that samples from a checkpoint loads it alike: the
+app's policy (`rlver_jax/builder.py`, `rlver_jax/generate.py`) and the in-process
+simulator (`sim_user/backends/flax_llm.py`).
+"""
 
 from __future__ import annotations
 
