@@ -1,8 +1,8 @@
 """One model's training state and its jitted passes: the Learner, its optimizer and schedule.
 
 Models are split into a graphdef and a parameter state; the jitted updates
-(`rl.updates.UpdatePrograms`) are pure functions of (params,
-optimizer state, batch) with the old state donated.
+(`rl.updates.UpdatePrograms`) are pure functions of (params, optimizer state,
+batch) with the old state donated.
 """
 
 from __future__ import annotations
