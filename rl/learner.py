@@ -1,13 +1,14 @@
 """One model's training state and its jitted passes: the Learner, its optimizer and schedule.
 
 Models are split into a graphdef and a parameter state; the jitted updates
-(`rl.step.UpdatePrograms` over `rl.updates`) are pure functions of (params,
-optimizer state, batch) with the old state donated.
+(`rl.updates.UpdatePrograms`) are pure functions of (params, optimizer state,
+batch) with the old state donated.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -17,7 +18,7 @@ import optax
 from flax import nnx
 
 from models import partitioning, programs
-from rl import losses, step
+from rl import losses, updates
 from rl.batch import TrainBatch
 from rl.losses import LossConfig
 
@@ -108,7 +109,7 @@ class Learner:
     self.graphdef, self.params, self.opt_state = graphdef, params, opt_state
     self.mesh = mesh
     self.metric_prefix = metric_prefix
-    self.programs = None if tx is None else step.UpdatePrograms(loss_fn, graphdef, tx, cfg)
+    self.programs = None if tx is None else updates.UpdatePrograms(loss_fn, graphdef, tx, cfg)
     self._forward = {}
 
   def update(self, micro_batches: Sequence[TrainBatch],
@@ -153,7 +154,7 @@ class Learner:
     """Jitted `fn(graphdef, params, batch, **static)` without gradients (`rl.step`)."""
     key = (fn, tuple(sorted(static.items())))
     if key not in self._forward:
-      self._forward[key] = step.forward_program(fn, self.graphdef, **static)
+      self._forward[key] = jax.jit(functools.partial(fn, self.graphdef, **static))
     return self._forward[key]
 
   def apply(self, fn, batch: TrainBatch, **static):

@@ -1,50 +1,54 @@
-"""The learner programs of one PPO/GRPO training step, in one place.
+"""One PPO/GRPO training step after its rollout, and the learner programs it runs.
 
-A training step (`rlver_jax/trainer.py`) runs, after the rollout: the
-critic's value pass (PPO) and the reference policy's log-prob pass (with a
-KL penalty), each in micro-batches of the update's size; then, for each of
-`ppo_epochs x num_minibatches` mini-batches, the policy's and the critic's
-updates. A mini-batch of one micro-batch is one program (`update`); with
-gradient accumulation (`grad_accum` micro-batches) it is `gradients` per
-micro-batch, `accumulate_gradients` between them, and `apply_gradients` once.
+`AlgorithmStep.run` takes a step's collected samples through the algorithm:
+collation into the global batch; the critic's value pass (PPO) and the
+reference policy's log-prob pass (with a KL penalty), each in micro-batches
+of the update's size; the advantages; then, for each of `ppo_epochs x
+num_minibatches` mini-batches, the policy's and the critic's updates, an
+update with a non-finite loss or gradient skipped (too many stop the run);
+it returns the step's algorithm metrics. A mini-batch of one micro-batch is
+one program (`update`); with gradient accumulation (`grad_accum`
+micro-batches) it is `gradients` per micro-batch, `accumulate_gradients`
+between them, and `apply_gradients` once (`rl.updates.UpdatePrograms`, which
+the `Learner`s run).
 
-`UpdatePrograms` are those jitted programs (a `Learner` runs them), and
-`learner_programs` lists them, with abstract arguments of a step's shapes,
-for the planner (`rlver_jax/plan.py`): what is planned is what runs.
+`AlgorithmStep.programs` lists those programs, with abstract arguments of a
+step's shapes, for the planner (`rlver_jax/plan.py`): what is planned is what
+runs. The loop around the step (rollouts, the simulator failure guard,
+checkpoints) is `rlver_jax/trainer.py`'s; what the step needs of the hosts and
+of a rollout running beside it comes in as hooks (`collate`, `turns`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-import functools
+import time
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from absl import logging
 from jax.sharding import Mesh
 
-from models import programs
+from models import host_metrics, programs
+from models.errors import RunStopped
 from models.programs import Program
-from rl import forward, losses, updates
+from rl import advantages as advantages_lib
+from rl import batch as batch_lib
+from rl import forward, learner, losses, updates
 from rl.batch import TrainBatch
 from rl.losses import LossConfig
 
-
-class UpdatePrograms:
-  """One model's jitted update programs (see the module docstring); the old parameters and
-  optimizer state are donated."""
-
-  def __init__(self, loss_fn, graphdef, tx, cfg: LossConfig):
-    self.update = jax.jit(functools.partial(updates.update, loss_fn, graphdef, tx, cfg),
-                          donate_argnums=(0, 1))
-    self.gradients = jax.jit(functools.partial(updates.gradients, loss_fn, graphdef, cfg))
-    self.accumulate_gradients = jax.jit(updates.add_gradients, donate_argnums=(0,))
-    self.apply_gradients = jax.jit(functools.partial(updates.apply_gradients, tx),
-                                   donate_argnums=(0, 1))
+# How hosts combine the metrics a step adds to its updates' (`updates.UPDATE_METRICS`).
+host_metrics.declare({"updates": host_metrics.MEAN, "lr": host_metrics.MEAN,
+                      "skipped_updates": host_metrics.SUM, "samples": host_metrics.SUM,
+                      "time/train": host_metrics.MAX})
 
 
-def forward_program(fn, graphdef, **static):
-  """`fn(graphdef, params, batch, **static)` jitted: a pass without gradients."""
-  return jax.jit(functools.partial(fn, graphdef, **static))
+class TrainingError(RunStopped):
+  """The run cannot go on: too many non-finite updates, or no dialogue left to train on."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,26 +128,164 @@ def update_programs(name: str, learner, shape: StepShape) -> dict[str, Program]:
   }
 
 
-def learner_programs(policy, critic, reference, shape: StepShape,
-                     temperature: float) -> dict[str, Program]:
-  """Every learner program of one step, in the order the trainer runs them (`policy`,
-  `critic` and `reference` are `Learner`s; the last two None where the step has none)."""
-  inputs = lambda learner: abstract_batch(learner.mesh, shape, targets=False)
-  passes = shape.minibatches * shape.grad_accum  # micro-batches of the value and ref passes
-  out = {}
-  if critic is not None:
-    out["critic/values"] = Program(
-        critic.forward(forward.critic_values), (critic.params, inputs(critic)), critic.mesh,
-        resident=critic.params, calls=passes,
-        work={"kind": "forward", "rows": shape.micro_batch, "tokens": shape.seq_len,
-              "model": "critic"})
-  if reference is not None:
-    out["reference/logprobs"] = Program(
-        reference.forward(forward.sequence_logprobs, temperature=temperature),
-        (reference.params, inputs(reference)), reference.mesh, resident=reference.params,
-        calls=passes,
-        work={"kind": "forward", "rows": shape.micro_batch, "tokens": shape.seq_len})
-  out.update(update_programs("policy", policy, shape))
-  if critic is not None:
-    out.update(update_programs("critic", critic, shape))
-  return out
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """How a step makes its updates (verl's names where verl has them).
+
+  `ppo_epochs` passes over `num_minibatches` mini-batches of `grad_accum`
+  micro-batches; a batch has a multiple of `data_parallel` (the training mesh's
+  batch shards) x grad_accum x num_minibatches rows, so that it splits evenly.
+  With `thinking` every agent turn is a sample, many per dialogue: mini-batches
+  hold the step's `dialogues` (its dialogue count) over num_minibatches samples,
+  as the release's ppo_mini_batch_size, so a step makes as many updates as the
+  release's. Learning rates follow `policy_optim` and `critic_optim` by
+  training step; more than `max_skipped_updates` non-finite updates in the run
+  stop it.
+  """
+  ppo_epochs: int = 1
+  num_minibatches: int = 1
+  grad_accum: int = 1
+  data_parallel: int = 1
+  thinking: bool = False
+  dialogues: int = 0
+  max_skipped_updates: int = 0
+  policy_optim: learner.OptimConfig = learner.OptimConfig()
+  critic_optim: learner.OptimConfig | None = None  # PPO only
+
+  @property
+  def micro_multiple(self) -> int:
+    """The rows of a micro-batch are a multiple of this: it splits over the batch shards."""
+    return self.data_parallel * self.grad_accum
+
+
+class _Alone:
+  """The devices to the step alone, no rollout running beside it: a turn is free and nothing
+  waits (`rlver_jax.off_policy.DeviceTurns` shares them with one)."""
+
+  def turn(self):
+    return contextlib.nullcontext()
+
+  def settle(self, *values) -> None:
+    del values
+
+
+class AlgorithmStep:
+  """The PPO/GRPO step of the `policy`, `critic` (PPO) and `reference` (a KL penalty)
+  `Learner`s, the last two None where the step has none, and the programs it runs.
+
+  `collate(samples, batch_multiple)` makes the global `TrainBatch` of this
+  host's samples (`rl.batch.collate` on one host); `turns` hands the step the
+  devices in turns where a rollout runs beside it (`turn()`, a context, and
+  `settle(*values)`, which waits for them). `skipped_updates` counts the run's
+  non-finite updates (a checkpoint keeps it).
+  """
+
+  def __init__(self, policy, critic, reference, loss_cfg: LossConfig,
+               config: StepConfig = StepConfig(), *, collate=batch_lib.collate,
+               turns=_Alone()):
+    self.policy, self.critic, self.reference = policy, critic, reference
+    self.loss_cfg, self.config = loss_cfg, config
+    self.collate, self.turns = collate, turns
+    self.skipped_updates = 0
+
+  def run(self, step: int, samples: Sequence[batch_lib.Sample]) -> dict:
+    """Trains on this host's `samples` of training step `step` (1-based); returns the step's
+    algorithm metrics, this host's."""
+    start = time.perf_counter()
+    with self.turns.turn():  # on several devices, a rollout's turns come between these
+      batch = self._scored_batch(samples)
+    # old_logprobs_bt are the sampler's log-probs of the tokens it drew: the behaviour policy's,
+    # also when it is a step behind (off_policy_steps=1), so the losses' ratio corrects for it.
+    minibatches = self._minibatches(batch.for_update(), len(samples))
+    policy_lr = learner.learning_rate(self.config.policy_optim, step - 1)
+    critic_lr = (learner.learning_rate(self.config.critic_optim, step - 1) if self.critic
+                 else None)
+    update_metrics = self._update(minibatches, policy_lr, critic_lr)
+    train_seconds = time.perf_counter() - start
+    skipped = self._skip_non_finite(step, update_metrics)
+    finite = [m for m in update_metrics if m["finite"] >= 1] or update_metrics
+    # A metric the step's losses do not make (GRPO's value loss, the dual clip's share
+    # without a dual clip) is absent, not 0.
+    out = {key: float(np.mean([m[key] for m in finite]))
+           for key in updates.UPDATE_METRICS if key in finite[0]}
+    out.update({"updates": len(update_metrics), "lr": policy_lr, "skipped_updates": skipped,
+                "time/train": train_seconds, "samples": len(samples)})
+    return out
+
+  def _scored_batch(self, samples: Sequence[batch_lib.Sample]) -> TrainBatch:
+    """The global batch with the critic's values, the reference log-probs and advantages;
+    the value and reference passes run in micro-batches of the update's rows."""
+    c = self.config
+    batch = self.collate(samples, c.micro_multiple * c.num_minibatches)
+    micro_rows = batch.rows // (c.num_minibatches * c.grad_accum)
+    if self.critic is not None:
+      batch = batch.replace(old_values_bt=self.critic.apply_in_micro_batches(
+          forward.critic_values, batch, micro_rows))
+    if self.reference is not None:
+      batch = batch.replace(ref_logprobs_bt=self.reference.apply_in_micro_batches(
+          forward.sequence_logprobs, batch, micro_rows, temperature=self.loss_cfg.temperature))
+    return advantages_lib.compute_advantages(batch, self.loss_cfg)
+
+  def _minibatches(self, batch: TrainBatch, real_rows: int) -> list[TrainBatch]:
+    """One epoch's mini-batches: `num_minibatches` equal ones, or in thinking mode the first
+    `real_rows` (this host's samples) in mini-batches of the step's dialogue count."""
+    c = self.config
+    if not c.thinking:
+      return batch_lib.split(batch, c.num_minibatches)
+    return batch_lib.chunks(batch.select_rows(0, real_rows),
+                            -(-c.dialogues // c.num_minibatches), c.micro_multiple)
+
+  def _update(self, minibatches: list[TrainBatch], policy_lr: float,
+              critic_lr: float | None) -> list[dict]:
+    """`ppo_epochs` passes of policy (and critic) updates over `minibatches`; each update's
+    metrics, fetched from the device once at the end."""
+    policy, critic, turns = self.policy, self.critic, self.turns
+    update_metrics = []
+    for _ in range(self.config.ppo_epochs):
+      for minibatch in minibatches:
+        micro_batches = batch_lib.split(minibatch, self.config.grad_accum)
+        with turns.turn():
+          m = policy.update(micro_batches, learning_rate=policy_lr)
+          if critic is not None:
+            m.update(critic.update(micro_batches, learning_rate=critic_lr))
+          turns.settle(m, policy.params, critic.params if critic is not None else None)
+        update_metrics.append(m)
+    return jax.device_get(update_metrics)  # the one wait for the device this step
+
+  def _skip_non_finite(self, step: int, update_metrics: list[dict]) -> int:
+    """This step's updates with a non-finite loss or gradient (the update left the weights as
+    they were), counted into `skipped_updates`; TrainingError past `max_skipped_updates`."""
+    skipped = sum(1 for m in update_metrics
+                  if m["finite"] < 1 or m.get("critic_finite", 1.0) < 1)
+    if skipped:
+      self.skipped_updates += skipped
+      logging.warning("step %d: %d update(s) with non-finite loss or gradient skipped "
+                      "(%d so far)", step, skipped, self.skipped_updates)
+      if self.skipped_updates > self.config.max_skipped_updates:
+        raise TrainingError(f"{self.skipped_updates} non-finite updates skipped, more than "
+                            f"max_skipped_updates={self.config.max_skipped_updates}; stopping")
+    return skipped
+
+  def programs(self, shape: StepShape) -> dict[str, Program]:
+    """Every learner program of one step at `shape`, in the order `run` runs them, with
+    abstract arguments (the learners may be abstract: `Learner.abstract`)."""
+    policy, critic, reference = self.policy, self.critic, self.reference
+    inputs = lambda model: abstract_batch(model.mesh, shape, targets=False)
+    passes = shape.minibatches * shape.grad_accum  # micro-batches of the value and ref passes
+    out = {}
+    if critic is not None:
+      out["critic/values"] = Program(
+          critic.forward(forward.critic_values), (critic.params, inputs(critic)), critic.mesh,
+          resident=critic.params, calls=passes,
+          work={"kind": "forward", "rows": shape.micro_batch, "tokens": shape.seq_len,
+                "model": "critic"})
+    if reference is not None:
+      out["reference/logprobs"] = Program(
+          reference.forward(forward.sequence_logprobs, temperature=self.loss_cfg.temperature),
+          (reference.params, inputs(reference)), reference.mesh, resident=reference.params,
+          calls=passes,
+          work={"kind": "forward", "rows": shape.micro_batch, "tokens": shape.seq_len})
+    out.update(update_programs("policy", policy, shape))
+    if critic is not None:
+      out.update(update_programs("critic", critic, shape))
+    return out

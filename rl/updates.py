@@ -5,8 +5,8 @@ A loss function maps (graphdef, cfg, params, micro-batch, normaliser) to
 mini-batch's `losses.Normaliser`, so the mini-batch's values are the sums
 over its micro-batches (verl's gradient accumulation). An update whose loss
 or gradient is not finite leaves the parameters and the optimizer state
-untouched and reports `finite = 0`; the trainer counts those and stops past
-a limit.
+untouched and reports `finite = 0`; `rl.step.AlgorithmStep` counts those and
+stops past a limit. `UpdatePrograms` are the jitted updates a `Learner` runs.
 """
 
 from __future__ import annotations
@@ -103,3 +103,18 @@ def update(loss_fn, graphdef, tx, cfg: LossConfig, params, opt_state, batch: Tra
                                                          learning_rate)
   return params, opt_state, {**metrics, "grad_norm": grad_norm,
                              "finite": finite.astype(jnp.float32)}
+
+
+class UpdatePrograms:
+  """One model's jitted update programs (`rl/step.py` lists them): `update` from a mini-batch
+  of one micro-batch; with gradient accumulation `gradients` per micro-batch,
+  `accumulate_gradients` between them and `apply_gradients` once. The old parameters and
+  optimizer state are donated."""
+
+  def __init__(self, loss_fn, graphdef, tx, cfg: LossConfig):
+    self.update = jax.jit(functools.partial(update, loss_fn, graphdef, tx, cfg),
+                          donate_argnums=(0, 1))
+    self.gradients = jax.jit(functools.partial(gradients, loss_fn, graphdef, cfg))
+    self.accumulate_gradients = jax.jit(add_gradients, donate_argnums=(0,))
+    self.apply_gradients = jax.jit(functools.partial(apply_gradients, tx),
+                                   donate_argnums=(0, 1))

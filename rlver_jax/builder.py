@@ -17,6 +17,7 @@ from models import partitioning, pretrained, qwen2
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from rl import learner as learner_lib
+from rl import step as step_lib
 from rl import system_prompts, updates
 from rl.losses import LossConfig
 from rl.rollout_config import RolloutConfig
@@ -143,3 +144,22 @@ def training_models(config, policy_path: str, loss_cfg: LossConfig,
   return TrainingModels(tokenizer=tokenizer, formatter=ChatFormatter(tokenizer), policy=policy,
                         policy_optim=policy_optim, critic=critic, critic_optim=critic_optim,
                         reference=reference, sampler=sampler)
+
+
+def algorithm_step(config, loss_cfg: LossConfig, models: TrainingModels, hosts: multihost.Hosts,
+                   turns) -> step_lib.AlgorithmStep:
+  """The PPO/GRPO step of `models`' learners: their updates' schedule, and the global batch
+  collated over `hosts`; `turns` (`off_policy.DeviceTurns`) shares the devices with a
+  rollout collected beside the update."""
+  o = config.optim
+  step_config = step_lib.StepConfig(
+      ppo_epochs=o.ppo_epochs, num_minibatches=o.num_minibatches, grad_accum=o.grad_accum,
+      data_parallel=hosts.train_data_parallel_size, thinking=config.rollout.thinking,
+      dialogues=config.batch_size * config.rollout.samples_per_profile,
+      max_skipped_updates=config.max_skipped_updates, policy_optim=models.policy_optim,
+      critic_optim=models.critic_optim)
+  pad_id = models.tokenizer.pad_token_id or 0
+  return step_lib.AlgorithmStep(
+      models.policy, models.critic, models.reference, loss_cfg, step_config,
+      collate=lambda samples, batch_multiple: hosts.collate(samples, batch_multiple, pad_id),
+      turns=turns)

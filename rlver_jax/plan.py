@@ -242,8 +242,9 @@ class _Planner:
     return -(-self.spec.dialogues // self.hosts)
 
   def learner_programs(self) -> dict[str, Program]:
-    return step.learner_programs(self.policy, self.critic, self.reference, self.spec,
-                                 self.spec.temperature)
+    """What the training step of these learners runs (`rl.step.AlgorithmStep.programs`)."""
+    return step.AlgorithmStep(self.policy, self.critic, self.reference,
+                              self.loss_cfg).programs(self.spec)
 
   @functools.cached_property
   def policy_on_host(self):

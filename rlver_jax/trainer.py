@@ -1,11 +1,12 @@
 """The RLVER training loop: rollouts against the simulated user, PPO or GRPO updates.
 
 Per step: sample `batch_size` profiles (a seeded order that survives restarts),
-run `rollout.samples_per_profile` dialogues with each, score them, compute
-values / reference logprobs where the algorithm needs them, advantages,
-then `ppo_epochs` passes of mini-batch updates (with gradient accumulation).
-A step where too many dialogues failed for infrastructure reasons is not
-trained on, and too many such steps in a row stop the run. Orbax checkpoints
+run `rollout.samples_per_profile` dialogues with each and score them; the
+algorithm's step (`rl.step.AlgorithmStep`: values / reference logprobs where
+the algorithm needs them, advantages, `ppo_epochs` passes of mini-batch
+updates) trains on them. A step where too many dialogues failed for
+infrastructure reasons is not trained on, and too many such steps in a row
+stop the run. Orbax checkpoints
 (written asynchronously, every `checkpoint.every` steps and/or
 `checkpoint.every_minutes`) hold the policy, critic, optimizer states, step
 and data position; a restarted run resumes from the latest one, with the
@@ -33,22 +34,15 @@ from absl import logging
 from tqdm import tqdm
 
 from models import host_metrics, partitioning, qwen2
-from models.errors import RunStopped
-from rl import advantages as advantages_lib
-from rl import batch as batch_lib
-from rl import forward, learner, updates
 from rl import keys
 from rl import rollout as rollout_lib
+from rl.step import TrainingError
 from rlver_jax import builder, compile_cache, config_checks, dialogue_log
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import multihost, off_policy, preemption, run_config, sharding, simulator_factory
 from rlver_jax import tiny
 from rlver_jax import workdir as workdir_lib
 from sim_user import profiles as profiles_lib
-
-
-class TrainingError(RunStopped):
-  """The run cannot go on: too many non-finite updates, or no dialogue left to train on."""
 
 
 class SimulatorFailing(TrainingError):
@@ -131,9 +125,7 @@ PLOT_EVERY_STEPS = 5
 host_metrics.declare({
     "tokens_per_s": host_metrics.ratio("tokens/generated", "time/rollout"),
     "rollout/policy_lag": host_metrics.MEAN, "rollout/wait_s": host_metrics.MAX,
-    "untrained/simulator": host_metrics.MEAN, "updates": host_metrics.MEAN,
-    "lr": host_metrics.MEAN, "skipped_updates": host_metrics.SUM, "samples": host_metrics.SUM,
-    "time/train": host_metrics.MAX})
+    "untrained/simulator": host_metrics.MEAN})
 
 
 class Trainer:
@@ -186,10 +178,10 @@ class Trainer:
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
         simulator_factory.describe(config.sim_user))
-    self.micro_multiple = self.hosts.train_data_parallel_size * config.optim.grad_accum
-    self.batch_multiple = self.micro_multiple * config.optim.num_minibatches
+    self.algorithm = builder.algorithm_step(config, self.loss_cfg, self.models, self.hosts,
+                                            self.turns)
 
-    self.step, self.order, self.skipped_updates = 0, ProfileOrder(len(self.profiles), config.seed), 0
+    self.step, self.order = 0, ProfileOrder(len(self.profiles), config.seed)
     self.sampler_step = None  # the step whose weights the sampler holds (0: the initial ones)
     self._last_save = time.monotonic()
     self._restore()
@@ -226,7 +218,7 @@ class Trainer:
 
   def _save(self) -> None:
     meta = {"step": self.step, "data_position": self.order.position, "seed": self.config.seed,
-            "skipped_updates": self.skipped_updates}
+            "skipped_updates": self.algorithm.skipped_updates}
     args = {k: ocp.args.StandardSave(v) for k, v in self._state().items()}
     # Returns once the arrays are copied off the device; the files are written in the background.
     with self.turns.turn():
@@ -270,7 +262,7 @@ class Trainer:
       critic.params, critic.opt_state = restored["critic"], restored["critic_opt"]
     self.step = meta["step"]
     self.order.position = meta["data_position"]
-    self.skipped_updates = meta["skipped_updates"]
+    self.algorithm.skipped_updates = meta["skipped_updates"]
     logging.info("resumed from %s at step %d", self.checkpoints.directory, self.step)
 
   # Rollouts.
@@ -367,70 +359,10 @@ class Trainer:
     if not self.hosts.total(len(rollout.samples)):  # a host may have dropped all of its own
       raise TrainingError(f"step {step}: every dialogue was dropped by the simulator")
 
-    start = time.perf_counter()
-    turns = self.turns  # on several devices, the background rollout's turns come between these
-    with turns.turn():
-      batch = self.hosts.collate(rollout.samples, self.batch_multiple,
-                                 pad_id=self.models.tokenizer.pad_token_id or 0)
-      micro_rows = batch.rows // (config.optim.num_minibatches * config.optim.grad_accum)
-      if self.models.critic is not None:
-        batch = batch.replace(old_values_bt=self.models.critic.apply_in_micro_batches(
-            forward.critic_values, batch, micro_rows))
-      if self.models.reference is not None:
-        batch = batch.replace(ref_logprobs_bt=self.models.reference.apply_in_micro_batches(
-            forward.sequence_logprobs, batch, micro_rows, temperature=self.loss_cfg.temperature))
-      batch = advantages_lib.compute_advantages(batch, self.loss_cfg)
-    update_metrics = []
-    # old_logprobs_bt are the sampler's log-probs of the tokens it drew: the behaviour policy's,
-    # also when it is a step behind (off_policy_steps=1), so the losses' ratio corrects for it.
-    update_batch = batch.for_update()
-    if config.rollout.thinking:
-      # Every agent turn is a sample, many per dialogue: mini-batches hold the step's
-      # dialogue count of samples (over num_minibatches), as the release's
-      # ppo_mini_batch_size, so a step makes as many updates as the release's.
-      real_rows = update_batch.select_rows(0, len(rollout.samples))
-      dialogues = config.batch_size * config.rollout.samples_per_profile
-      minibatches = batch_lib.chunks(real_rows, -(-dialogues // config.optim.num_minibatches),
-                                     self.micro_multiple)
-    else:
-      minibatches = batch_lib.split(update_batch, config.optim.num_minibatches)
-    policy, critic = self.models.policy, self.models.critic
-    policy_lr = learner.learning_rate(self.models.policy_optim, step - 1)
-    critic_lr = learner.learning_rate(self.models.critic_optim, step - 1) if critic else None
-    for _ in range(config.optim.ppo_epochs):
-      for minibatch in minibatches:
-        micro_batches = batch_lib.split(minibatch, config.optim.grad_accum)
-        with turns.turn():
-          m = policy.update(micro_batches, learning_rate=policy_lr)
-          if critic is not None:
-            m.update(critic.update(micro_batches, learning_rate=critic_lr))
-          turns.settle(m, policy.params, critic.params if critic is not None else None)
-        update_metrics.append(m)
-    update_metrics = jax.device_get(update_metrics)  # the one wait for the device this step
-    train_seconds = time.perf_counter() - start
-
-    skipped = sum(1 for m in update_metrics
-                  if m["finite"] < 1 or m.get("critic_finite", 1.0) < 1)
-    if skipped:
-      self.skipped_updates += skipped
-      logging.warning("step %d: %d update(s) with non-finite loss or gradient skipped "
-                      "(%d so far)", step, skipped, self.skipped_updates)
-      if self.skipped_updates > config.max_skipped_updates:
-        raise TrainingError(f"{self.skipped_updates} non-finite updates skipped, more than "
-                            f"max_skipped_updates={config.max_skipped_updates}; stopping")
-    finite = [m for m in update_metrics if m["finite"] >= 1] or update_metrics
-    out = dict(rollout_metrics)
-    # A metric the step's losses do not make (GRPO's value loss, the dual clip's share
-    # without a dual clip) is absent, not 0.
-    out.update({key: float(np.mean([m[key] for m in finite]))
-                for key in updates.UPDATE_METRICS if key in finite[0]})
-    out.update({
-        "updates": len(update_metrics), "lr": policy_lr,
-        "skipped_updates": skipped, "time/train": train_seconds,
-        "samples": len(rollout.samples), "untrained/simulator": 0,
-    })
+    metrics = {**rollout_metrics, **self.algorithm.run(step, rollout.samples),
+               "untrained/simulator": 0}
     self.step = step
-    return self.hosts.reduce_step_metrics(out, rollout)
+    return self.hosts.reduce_step_metrics(metrics, rollout)
 
   def run(self) -> None:
     """Trains to `steps`; on SIGTERM/SIGINT saves and raises Preempted (see preemption.py)."""
