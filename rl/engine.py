@@ -64,11 +64,18 @@ def run(sampler: Sampler, agent: Agent, user: SimulatedUser, dialogues: Sequence
       pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
 
 
+# The most agent tokens a row starts with room for: evaluation has no token budget
+# (max_dialogue_tokens=10**9), and its rows grow from here when a dialogue needs more.
+MAX_START_AGENT_TOKENS = 8192
+
+
 def row_capacity(config: RolloutConfig, first_feed_tokens: int) -> int:
   """Cache slots a dialogue's row starts with: its opening feed, the agent's token budget
-  and one more reply (the budget is checked after a reply), as a bucket size. User turns
-  come out of the same room; a dialogue that still outgrows it grows the cache."""
-  return bucket_size(first_feed_tokens + config.max_dialogue_tokens + config.max_new_tokens)
+  (at most MAX_START_AGENT_TOKENS) and one more reply (the budget is checked after a
+  reply), as a bucket size. User turns come out of the same room; a dialogue that still
+  outgrows it grows the cache."""
+  budget = min(config.max_dialogue_tokens, MAX_START_AGENT_TOKENS)
+  return bucket_size(first_feed_tokens + budget + config.max_new_tokens)
 
 
 def rows_to_decode(decoding: Iterable[int], shard: Callable[[int], int], shards: int,

@@ -371,3 +371,12 @@ def test_the_engine_compiles_its_fixed_program_set_once_whatever_the_order(chat_
   # Other answers in another order, other sampled replies: nothing new to compile.
   assert compiled_during(lambda: collect(1)) == 0
   assert [d.history for d in rollouts[0].dialogues] != [d.history for d in rollouts[1].dialogues]
+
+
+def test_rows_start_with_room_for_a_dialogue_but_not_for_an_unbounded_budget():
+  from rl.engine import row_capacity
+  # The recipes: the opening, the 10,000-token budget and one more 5,000-token reply.
+  assert row_capacity(RolloutConfig(max_dialogue_tokens=10000, max_new_tokens=5000), 700) == 16384
+  # Evaluation has no budget (10**9): rows start at room for 8,192 agent tokens and grow.
+  assert row_capacity(RolloutConfig(max_dialogue_tokens=10**9, max_new_tokens=1024), 300) == 16384
+  assert row_capacity(RolloutConfig(max_dialogue_tokens=25, max_new_tokens=12), 40) == 128
