@@ -156,6 +156,14 @@ class CompileClock:
       self.seconds += seconds
 
 
+def write_results(path: str, results: dict) -> None:
+  """Writes a benchmark's results as JSON to `path` and prints them."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(results, f, indent=2)
+  print(json.dumps(results, indent=2))
+
+
 def bench_profiles(n: int) -> list[profiles.Profile]:
   """n profiles cycled from the demo set; VARY makes the fake server's emotion changes vary."""
   demo = profiles.load_profiles(profiles.DEMO_PROFILES)
@@ -238,10 +246,7 @@ def main(argv):
                        "compile_s": compiled["timed"]["seconds"]}
   results["continuous"]["speedup"] = lockstep.metrics["time/rollout"] / continuous.metrics[
       "time/rollout"]
-  os.makedirs(os.path.dirname(_OUT.value) or ".", exist_ok=True)
-  with open(_OUT.value, "w") as f:
-    json.dump(results, f, indent=2)
-  print(json.dumps(results, indent=2))
+  write_results(_OUT.value, results)
 
 
 if __name__ == "__main__":

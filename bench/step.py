@@ -32,7 +32,7 @@ import time
 import numpy as np
 from absl import app, flags, logging
 
-from bench.rollout import LatencyServer, bench_profiles, lognormal_latency
+from bench.rollout import LatencyServer, bench_profiles, lognormal_latency, write_results
 from configs import demo
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import tiny, trainer
@@ -134,10 +134,7 @@ def main(argv):
       "batch_size": _BATCH.value, "simulator": "bench.rollout.LatencyServer (HTTP)",
       "latency_median_s": FLAGS.latency_median_s, "latency_p95_s": FLAGS.latency_p95_s,
       "tiny_warmup_steps": _WARMUP.value, "seed": FLAGS.seed}
-  os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-  with open(FLAGS.out, "w") as f:
-    json.dump(results, f, indent=2)
-  print(json.dumps(results, indent=2))
+  write_results(FLAGS.out, results)
 
 
 if __name__ == "__main__":
