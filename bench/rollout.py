@@ -210,8 +210,9 @@ def main(argv):
                                                          _LATENCY_P95.value))
   threading.Thread(target=server.serve_forever, daemon=True).start()
   # The agent's budget: every reply of --turns at its longest, so no dialogue ends on it.
-  config = RolloutConfig(max_new_tokens=_MAX_NEW_TOKENS.value, temperature=0.0,
-                                     max_dialogue_tokens=_TURNS.value * _MAX_NEW_TOKENS.value)
+  config = RolloutConfig(system_prompt="", max_new_tokens=_MAX_NEW_TOKENS.value,
+                         temperature=0.0,
+                         max_dialogue_tokens=_TURNS.value * _MAX_NEW_TOKENS.value)
   profile_list = bench_profiles(_DIALOGUES.value)
   clock = CompileClock()
   try:

@@ -77,19 +77,19 @@ def grpo_advantages(scores, group_ids, normalize_std: bool = True, eps: float = 
 
 
 
-def compute_advantages(batch: TrainBatch, cfg: losses.LossConfig) -> TrainBatch:
+def compute_advantages(batch: TrainBatch, cfg: losses.RLConfig) -> TrainBatch:
   """`batch` with advantages and returns (host numpy in, numpy out).
 
   GAE reads `old_values_bt` (and `ref_logprobs_bt` with a KL penalty in the
   reward, which then replaces `token_rewards_bt`); GRPO reads scores and groups.
   """
   mask = jnp.asarray(batch.loss_mask_bt)
-  if cfg.advantage == "grpo":
+  if cfg.adv_estimator == "grpo":
     seq_adv = grpo_advantages(jnp.asarray(batch.scores_b), batch.groups_b,
                               normalize_std=cfg.grpo_normalize_std)
     advantages = seq_adv[:, None] * mask
     returns = jnp.zeros_like(advantages)
-  elif cfg.advantage == "gae":
+  elif cfg.adv_estimator == "gae":
     rewards = jnp.asarray(batch.token_rewards_bt)
     if cfg.kl_coef and cfg.kl_in_reward:
       kl = losses.kl_penalty(jnp.asarray(batch.old_logprobs_bt),
@@ -99,8 +99,8 @@ def compute_advantages(batch: TrainBatch, cfg: losses.LossConfig) -> TrainBatch:
                                          cfg.gamma, cfg.lam)
     batch = batch.replace(token_rewards_bt=np.asarray(rewards))  # with any KL penalty
   else:
-    raise ValueError(f"unknown advantage estimator {cfg.advantage!r}; expected gae or grpo")
-  if cfg.advantage == "gae" and cfg.whiten_advantages:
+    raise ValueError(f"unknown advantage estimator {cfg.adv_estimator!r}; expected gae or grpo")
+  if cfg.adv_estimator == "gae" and cfg.whiten_advantages:
     # GAE only. GRPO's advantages are already normalised within each group; whitening
     # them again over the batch's tokens (verl and Tunix do not) subtracts a
     # length-weighted mean that turns a short above-average dialogue's advantage negative.

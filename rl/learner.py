@@ -20,11 +20,11 @@ from flax import nnx
 from models import partitioning, programs
 from rl import losses, updates
 from rl.batch import TrainBatch
-from rl.losses import LossConfig
+from rl.losses import RLConfig
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig:
+class AdamWConfig:
   """AdamW with gradient clipping; the schedule's steps are training steps, not updates."""
   lr: float = 1e-6
   warmup_steps: int = 0
@@ -36,7 +36,7 @@ class OptimConfig:
   grad_clip: float = 1.0
 
 
-def learning_rate(cfg: OptimConfig, step: int) -> float:
+def learning_rate(cfg: AdamWConfig, step: int) -> float:
   """The learning rate of every update in training step `step` (0-based).
 
   As verl, which steps its LR scheduler once per training step: a step that
@@ -56,7 +56,7 @@ def learning_rate(cfg: OptimConfig, step: int) -> float:
   return float(schedule(step))
 
 
-def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
+def make_optimizer(cfg: AdamWConfig) -> optax.GradientTransformation:
   """Clipped AdamW whose learning rate is a hyperparameter (`Learner.update` sets it)."""
   learning_rate(cfg, 0)  # an unknown schedule fails here, at start-up
 
@@ -76,13 +76,13 @@ class Learner:
   """
 
   def __init__(self, model: nnx.Module, tx: optax.GradientTransformation | None = None,
-               loss_fn=None, cfg: LossConfig | None = None, mesh=None,
+               loss_fn=None, cfg: RLConfig | None = None, mesh=None,
                metric_prefix: str = ""):
     """Without `tx` the model is frozen (a reference policy): `apply` only.
 
-    `loss_fn` is `updates.policy_loss` or `updates.critic_loss`; `metric_prefix`
-    goes before the grad_norm and finite metrics (the critic's are
-    critic_grad_norm, critic_finite).
+    `loss_fn` is `updates.policy_loss` (its `temperature` bound with functools.partial)
+    or `updates.critic_loss`; `metric_prefix` goes before the grad_norm and finite
+    metrics (the critic's are critic_grad_norm, critic_finite).
     """
     graphdef, params = nnx.split(model)
     params = partitioning.place_state(params, mesh)
@@ -92,7 +92,7 @@ class Learner:
 
   @classmethod
   def abstract(cls, model: nnx.Module, tx: optax.GradientTransformation | None = None,
-               loss_fn=None, cfg: LossConfig | None = None, mesh=None,
+               loss_fn=None, cfg: RLConfig | None = None, mesh=None,
                metric_prefix: str = "") -> "Learner":
     """A Learner of an abstract model (`nnx.eval_shape`) on `mesh`, whose params and
     optimizer state are abstract arrays placed as a real one's: its programs compile

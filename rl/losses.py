@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.errors import UserInputError
+from models import config_section
 
 TOKEN_MEAN = "token-mean"
 SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
@@ -27,29 +27,74 @@ SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 AGGREGATIONS = (TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_MEAN)
 
 
+ALGORITHMS = ("ppo", "grpo")
+REWARDS = ("final", "turn")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
 @dataclasses.dataclass(frozen=True)
-class LossConfig:
-  advantage: str = "gae"  # "gae" (PPO) or "grpo"
+class RLConfig(config_section.Section):
+  """The `rl` section: the algorithm, its advantages and its losses (verl's names).
+
+  Attributes:
+    algorithm: ppo (GAE with a critic) | grpo (group-normalised, no critic).
+    gamma: GAE discount.
+    lam: GAE lambda.
+    whiten_advantages: PPO: whiten the batch's advantages (GRPO's group-normalised
+      advantages never are).
+    grpo_normalize_std: GRPO: divide by the group's reward std, not only centre.
+    clip_ratio: PPO's clip of the probability ratio: 1 +- this.
+    clip_ratio_high: the ratio's upper clip is 1 + this (None: clip_ratio).
+    dual_clip: a negative-advantage token's loss is capped at this x |advantage| (verl's
+      clip_ratio_c; None: off).
+    value_clip: the critic's loss also clips its values to the rollout's +- this.
+    entropy_coef: weight of the entropy bonus.
+    kl_coef: weight of the KL to the initial policy; 0 (released): no reference pass.
+    kl_estimator: k1 | k2 | k3.
+    kl_in_reward: the KL as a per-token reward penalty, not a loss term.
+    loss_agg: token-mean | seq-mean-token-sum | seq-mean-token-mean.
+    reward: final (the last emotion) | turn (each reply's change; an ablation).
+  """
+  algorithm: str = "ppo"
   gamma: float = 1.0
   lam: float = 1.0
-  whiten_advantages: bool = True  # GAE only: GRPO's group-normalised advantages never are
+  whiten_advantages: bool = True
   grpo_normalize_std: bool = True
   clip_ratio: float = 0.2
   clip_ratio_high: float | None = None
-  dual_clip: float | None = 3.0  # verl's clip_ratio_c; None turns it off
+  dual_clip: float | None = 3.0
   value_clip: float | None = 0.5
   entropy_coef: float = 0.001
-  kl_coef: float = 0.0  # 0 skips the reference model entirely
+  kl_coef: float = 0.0
   kl_estimator: str = "k3"
-  kl_in_reward: bool = False  # True: per-token reward penalty; False: loss term
+  kl_in_reward: bool = False
   loss_agg: str = TOKEN_MEAN
-  temperature: float = 1.0  # logprobs of softmax(logits / T), as the sampler draws
+  reward: str = "final"
 
-  def __post_init__(self):
-    if self.dual_clip is not None and self.dual_clip <= 1.0:
-      raise UserInputError(f"rl.dual_clip={self.dual_clip}: the dual clip caps losses at "
-                           "dual_clip * |advantage| and must be > 1 (verl's clip_ratio_c, 3.0), "
-                           "or None to turn it off")
+  @property
+  def adv_estimator(self) -> str:
+    """verl's name for the advantage estimator: gae (PPO) or grpo."""
+    return {"ppo": "gae", "grpo": "grpo"}.get(self.algorithm, self.algorithm)
+
+  def check(self, p: config_section.Problems) -> None:
+    p.one_of("algorithm", ALGORITHMS)
+    p.one_of("reward", REWARDS)
+    p.one_of("loss_agg", AGGREGATIONS)
+    p.one_of("kl_estimator", KL_ESTIMATORS)
+    p.require("gamma", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+    p.require("lam", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
+    p.require("clip_ratio", config_section.positive, "must be > 0")
+    p.require("clip_ratio_high", lambda v: v is None or v > 0, "must be > 0 or None")
+    p.require("dual_clip", lambda v: v is None or v > 1.0,
+              "must be > 1 (verl's clip_ratio_c, 3.0: the dual clip caps losses at "
+              "dual_clip * |advantage|) or None to turn it off")
+    p.require("value_clip", lambda v: v is None or v > 0, "must be > 0 or None")
+    p.require("entropy_coef", config_section.at_least(0.0), "must be >= 0")
+    p.require("kl_coef", config_section.at_least(0.0), "must be >= 0")
+    if self.algorithm == "grpo":
+      p.require("reward", lambda v: v == "final",
+                "per-turn rewards are a PPO ablation; GRPO normalises final rewards")
+
 
 # exp(20) ~ 4.9e8 is finite in float32 (exp overflows past 88, and then 0 * inf makes NaN
 # gradients even where the loss never uses the value); verl clamps the same way.

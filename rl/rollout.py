@@ -60,9 +60,12 @@ def make_agent(config: RolloutConfig, sampler: Sampler, formatter: ChatFormatter
 
 def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
             profiles: Sequence[Profile], config: RolloutConfig, key: jax.Array,
-            first_profile: int = 0) -> Rollout:
+            first_profile: int = 0, reward: str = "final") -> Rollout:
   """Runs one batch of dialogues to their end and returns the training samples.
 
+  `config.system_prompt` is the prompt's text (`system_prompts.resolve` of a
+  preset). `reward` (`rl.reward`): the samples' rewards, "final" (the
+  dialogue's score) or "turn" (each agent turn's emotion change).
   `key` is the batch's (rl/keys.py); turn t draws with `keys.turn(key, t)`.
   `profiles` may be one host's share of a larger batch, starting at global
   profile `first_profile`: groups and sampling keys follow the global index, so
@@ -85,7 +88,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   else:
     sim_seconds += lockstep.run(agent, user, dialogues, config, turn_key)
 
-  samples = agent.samples(dialogues, groups, config.reward)
+  samples = agent.samples(dialogues, groups, reward)
   metrics = rollout_metrics(samples, dialogues, user.emotion_rules)
   wall = time.perf_counter() - start_time
   agent_metrics = agent.metrics()

@@ -1,4 +1,5 @@
-"""What a rollout is asked to do, and the rule that ends a dialogue on its token budget.
+"""The `rollout` section (what a rollout is asked to do), and the rule that ends a dialogue
+on its token budget.
 
 Its own module because `rl.rollout` (which dispatches to an engine) and both
 engines (`rl.lockstep`, `rl.engine`) read it: the engines import it, not the
@@ -9,33 +10,84 @@ from __future__ import annotations
 
 import dataclasses
 
+from models import config_section, partitioning
 from sim_user.simulator import Dialogue
 
 TOKEN_BUDGET = "token_budget"  # Dialogue.end_reason of a dialogue over max_dialogue_tokens
 ENGINES = ("continuous", "lockstep")
+SAMPLING_DTYPES = ("", "bfloat16")  # "": the sampler decodes from the training weights
+OFF_POLICY_STEPS = (0, 1)  # on-policy, or one step ahead (rlver_jax/off_policy.py)
 
 
 @dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-  samples_per_profile: int = 1  # GRPO group size n
-  system_prompt: str = ""
+class RolloutConfig(config_section.Section):
+  """The `rollout` section: how a step's dialogues are collected.
+
+  Attributes:
+    samples_per_profile: dialogues per profile per step (GRPO's group size).
+    system_prompt: the policy's system prompt: a preset of rl/system_prompts.py ("rlver":
+      the paper's prompt for rollout.thinking and sim_user.language; "sage") or the text
+      itself. The trainer hands the engines the resolved text.
+    thinking: reason in <think>...</think> before each reply.
+    format_penalty_reward: thinking: the reward of a badly formatted turn.
+    max_new_tokens: the policy's tokens per turn.
+    max_dialogue_tokens: the policy's tokens per dialogue; beyond, it ends.
+    temperature: the policy's sampling temperature (the loss's logprobs use it).
+    top_p: nucleus sampling (1: off).
+    top_k: top-k sampling (0: off).
+    engine: continuous (rl/engine.py: batching across turns) | lockstep (rl/lockstep.py: one
+      sampler call per round, the benchmark's baseline).
+    sampling_dtype: the sampler's own copy of the policy, refreshed in place after each
+      update: "bfloat16", or "" to decode from the fp32 training weights (cast on every step).
+    sampling_layout: that copy's layout: "train" shards it over fsdp like the training
+      weights (a decode step gathers bf16 shards); "decode" keeps it whole on every chip of a
+      host (no gather per token, but +10.6 GiB per chip for 7B on a v5p-16). `python -m
+      rlver_jax.plan --config=... --topology=...` shows both, and which is faster where it
+      fits.
+    off_policy_steps: updates the rollout runs ahead of training: 0 (on-policy, as published)
+      | 1 (step n+1's dialogues are collected, in a background thread, with the weights before
+      step n's update while that update runs: faster steps, samples one update stale; the
+      losses' ratio uses the sampler's log-probs; one process only).
+  """
+  samples_per_profile: int = 1
+  system_prompt: str = "rlver"
   thinking: bool = False
-  format_penalty_reward: float = 0.0  # thinking mode: reward of a badly formatted turn
-  max_new_tokens: int = 512  # per agent turn
-  max_dialogue_tokens: int = 10000  # agent tokens per dialogue; beyond, the dialogue ends
+  format_penalty_reward: float = 0.0
+  max_new_tokens: int = 5000
+  max_dialogue_tokens: int = 10000
   temperature: float = 1.0
   top_p: float = 1.0
   top_k: int = 0
-  reward: str = "final"  # or "turn": each agent turn gets its emotion change / 100
-  # continuous: rl.engine's continuous batching across turns; lockstep: rl.lockstep, every
-  # live dialogue's turn in one sampler call per round (the benchmark's baseline)
   engine: str = "continuous"
+  sampling_dtype: str = "bfloat16"
+  sampling_layout: str = "train"
+  off_policy_steps: int = 0
 
-  def __post_init__(self):
-    if self.reward not in ("final", "turn"):
-      raise ValueError(f"rollout reward {self.reward!r}; expected final or turn")
-    if self.engine not in ENGINES:
-      raise ValueError(f"rollout engine {self.engine!r}; expected one of {', '.join(ENGINES)}")
+  def check(self, p: config_section.Problems) -> None:
+    p.require("samples_per_profile", config_section.at_least(1), "must be >= 1")
+    check_sampling(p, greedy_ok=False)
+    p.require("max_dialogue_tokens", config_section.at_least(1), "must be >= 1")
+    p.require("sampling_dtype", lambda v: v in SAMPLING_DTYPES,
+              f"the sampler's copy of the weights: expected one of {SAMPLING_DTYPES} (empty: "
+              "decode from the training weights)")
+    p.one_of("sampling_layout", tuple(partitioning.SAMPLING_LAYOUTS))
+    p.require("off_policy_steps", lambda v: v in OFF_POLICY_STEPS,
+              f"expected one of {OFF_POLICY_STEPS}: 0 collects each step's dialogues with the "
+              "weights it trains (on-policy), 1 collects the next step's while this step's "
+              "update runs; more steps ahead are not supported")
+
+
+def check_sampling(p: config_section.Problems, *, greedy_ok: bool) -> None:
+  """The decoding fields a rollout or an evaluation section shares."""
+  if greedy_ok:
+    p.require("temperature", config_section.at_least(0.0), "must be >= 0 (0 is greedy)")
+  else:
+    p.require("temperature", config_section.positive,
+              "must be > 0: the learner scores tokens under softmax(logits / temperature)")
+  p.require("top_p", lambda v: 0.0 < v <= 1.0, "must be in (0, 1]")
+  p.require("top_k", config_section.at_least(0), "must be >= 0 (0: no top-k)")
+  p.require("max_new_tokens", config_section.at_least(1), "must be >= 1")
+  p.one_of("engine", ENGINES)
 
 
 def end_if_over_budget(dialogue: Dialogue, agent_tokens: int, config: RolloutConfig) -> None:

@@ -39,7 +39,7 @@ from rl import advantages as advantages_lib
 from rl import batch as batch_lib
 from rl import forward, learner, losses, updates
 from rl.batch import TrainBatch
-from rl.losses import LossConfig
+from rl.losses import RLConfig
 
 # How hosts combine the metrics a step adds to its updates' (`updates.UPDATE_METRICS`).
 host_metrics.declare({"updates": host_metrics.MEAN, "lr": host_metrics.MEAN,
@@ -140,7 +140,8 @@ class StepConfig:
   as the release's ppo_mini_batch_size, so a step makes as many updates as the
   release's. Learning rates follow `policy_optim` and `critic_optim` by
   training step; more than `max_skipped_updates` non-finite updates in the run
-  stop it.
+  stop it. The value and reference passes score tokens under the sampler's
+  `temperature`, as the policy's loss does.
   """
   ppo_epochs: int = 1
   num_minibatches: int = 1
@@ -149,8 +150,9 @@ class StepConfig:
   thinking: bool = False
   dialogues: int = 0
   max_skipped_updates: int = 0
-  policy_optim: learner.OptimConfig = learner.OptimConfig()
-  critic_optim: learner.OptimConfig | None = None  # PPO only
+  policy_optim: learner.AdamWConfig = learner.AdamWConfig()
+  critic_optim: learner.AdamWConfig | None = None  # PPO only
+  temperature: float = 1.0
 
   @property
   def micro_multiple(self) -> int:
@@ -180,7 +182,7 @@ class AlgorithmStep:
   non-finite updates (a checkpoint keeps it).
   """
 
-  def __init__(self, policy, critic, reference, loss_cfg: LossConfig,
+  def __init__(self, policy, critic, reference, loss_cfg: RLConfig,
                config: StepConfig = StepConfig(), *, collate=batch_lib.collate,
                turns=_Alone()):
     self.policy, self.critic, self.reference = policy, critic, reference
@@ -223,7 +225,7 @@ class AlgorithmStep:
           forward.critic_values, batch, micro_rows))
     if self.reference is not None:
       batch = batch.replace(ref_logprobs_bt=self.reference.apply_in_micro_batches(
-          forward.sequence_logprobs, batch, micro_rows, temperature=self.loss_cfg.temperature))
+          forward.sequence_logprobs, batch, micro_rows, temperature=self.config.temperature))
     return advantages_lib.compute_advantages(batch, self.loss_cfg)
 
   def _minibatches(self, batch: TrainBatch, real_rows: int) -> list[TrainBatch]:
@@ -281,7 +283,7 @@ class AlgorithmStep:
                 "model": "critic"})
     if reference is not None:
       out["reference/logprobs"] = Program(
-          reference.forward(forward.sequence_logprobs, temperature=self.loss_cfg.temperature),
+          reference.forward(forward.sequence_logprobs, temperature=self.config.temperature),
           (reference.params, inputs(reference)), reference.mesh, resident=reference.params,
           calls=passes,
           work={"kind": "forward", "rows": shape.micro_batch, "tokens": shape.seq_len})

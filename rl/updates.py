@@ -20,7 +20,7 @@ import optax
 from models import host_metrics, partitioning
 from rl import forward, losses
 from rl.batch import TrainBatch
-from rl.losses import LossConfig
+from rl.losses import RLConfig
 
 # The update metrics a training step reports, each the mean over the step's finite updates:
 # every host updates on the same global batch, so hosts have them alike (their plain mean).
@@ -29,12 +29,13 @@ UPDATE_METRICS = ("kl", "approx_kl", "entropy", "clip_frac", "pg_clipfrac_lower"
 host_metrics.declare({name: host_metrics.MEAN for name in UPDATE_METRICS})
 
 
-def policy_loss(graphdef, cfg: LossConfig, params, batch: TrainBatch,
-                norm: losses.Normaliser | None):
-  """Clipped surrogate - entropy bonus (+ KL) of a [B, T] batch; (loss, metrics)."""
+def policy_loss(graphdef, cfg: RLConfig, params, batch: TrainBatch,
+                norm: losses.Normaliser | None, *, temperature: float = 1.0):
+  """Clipped surrogate - entropy bonus (+ KL) of a [B, T] batch; (loss, metrics). The policy's
+  log-probs are those of softmax(logits / `temperature`), the sampler's temperature."""
   mask = batch.loss_mask_bt
   logprobs, entropy_bt = forward.token_logprobs_and_entropy(graphdef, params, batch,
-                                                            cfg.temperature)
+                                                            temperature)
   pg_loss, metrics = losses.policy_loss(
       logprobs, batch.old_logprobs_bt, batch.advantages_bt, mask, clip_ratio=cfg.clip_ratio,
       clip_ratio_high=cfg.clip_ratio_high, dual_clip=cfg.dual_clip, agg=cfg.loss_agg, norm=norm)
@@ -50,7 +51,7 @@ def policy_loss(graphdef, cfg: LossConfig, params, batch: TrainBatch,
   return loss, metrics
 
 
-def critic_loss(graphdef, cfg: LossConfig, params, batch: TrainBatch,
+def critic_loss(graphdef, cfg: RLConfig, params, batch: TrainBatch,
                 norm: losses.Normaliser | None):
   """Clipped value loss of a [B, T] batch; (loss, metrics)."""
   values = forward.critic_values(graphdef, params, batch)
@@ -61,7 +62,7 @@ def critic_loss(graphdef, cfg: LossConfig, params, batch: TrainBatch,
   return loss, metrics
 
 
-def gradients(loss_fn, graphdef, cfg: LossConfig, params, batch: TrainBatch, norm):
+def gradients(loss_fn, graphdef, cfg: RLConfig, params, batch: TrainBatch, norm):
   """((loss, metrics), grads) of one micro-batch; the gradients placed like the weights."""
   out, grads = jax.value_and_grad(functools.partial(loss_fn, graphdef, cfg), has_aux=True)(
       params, batch, norm)
@@ -92,7 +93,7 @@ def apply_gradients(tx, params, opt_state, grads, loss, learning_rate=None):
           grad_norm, finite)
 
 
-def update(loss_fn, graphdef, tx, cfg: LossConfig, params, opt_state, batch: TrainBatch,
+def update(loss_fn, graphdef, tx, cfg: RLConfig, params, opt_state, batch: TrainBatch,
            norm=None, learning_rate=None):
   """A whole update from a single micro-batch: gradients, then `apply_gradients`.
 
@@ -111,7 +112,7 @@ class UpdatePrograms:
   `accumulate_gradients` between them and `apply_gradients` once. The old parameters and
   optimizer state are donated."""
 
-  def __init__(self, loss_fn, graphdef, tx, cfg: LossConfig):
+  def __init__(self, loss_fn, graphdef, tx, cfg: RLConfig):
     self.update = jax.jit(functools.partial(update, loss_fn, graphdef, tx, cfg),
                           donate_argnums=(0, 1))
     self.gradients = jax.jit(functools.partial(gradients, loss_fn, graphdef, cfg))

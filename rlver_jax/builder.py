@@ -1,13 +1,17 @@
-"""Config to objects: every model, sampler, simulated user, loss, optimizer and rollout
-setting that training, evaluation, retention and generation build, in one place.
+"""Config to objects: the models, sampler, simulated user, optimizers and rollout that
+training, evaluation, retention and generation build from their typed runs
+(`rlver_jax/sections.py`), in one place.
 
-A new config knob is read here once; the entry points (trainer, eval,
-retention, generate) only run loops over what this module hands them.
+The sections that a room defines go to it whole (`rl` to the learners and the
+step, `rollout` to the engines, `sim_user` to the simulator factory); the
+entry points (trainer, eval, retention, generate) only run loops over what
+this module hands them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 from absl import logging
@@ -19,26 +23,15 @@ from models.sampler import Sampler
 from rl import learner as learner_lib
 from rl import step as step_lib
 from rl import system_prompts, updates
-from rl.losses import LossConfig
 from rl.rollout_config import RolloutConfig
 from rlver_jax import multihost, simulator_factory
 from sim_user.simulator import SimulatedUser
 
 
-def loss_config(config) -> LossConfig:
-  rl = config.rl  # checked by config_checks.check_train_config
-  return LossConfig(
-      advantage="gae" if rl.algorithm == "ppo" else "grpo", gamma=rl.gamma, lam=rl.lam,
-      whiten_advantages=rl.whiten_advantages, grpo_normalize_std=rl.grpo_normalize_std,
-      clip_ratio=rl.clip_ratio, clip_ratio_high=rl.clip_ratio_high, dual_clip=rl.dual_clip,
-      value_clip=rl.value_clip, entropy_coef=rl.entropy_coef, kl_coef=rl.kl_coef,
-      kl_estimator=rl.kl_estimator, kl_in_reward=rl.kl_in_reward, loss_agg=rl.loss_agg,
-      temperature=config.rollout.temperature)
-
-
-def optim_config(config, lr: float) -> learner_lib.OptimConfig:
+def optim_config(config, lr: float) -> learner_lib.AdamWConfig:
+  """One learner's AdamW: the `optim` section's schedule over `steps`, at rate `lr`."""
   o = config.optim
-  return learner_lib.OptimConfig(
+  return learner_lib.AdamWConfig(
       lr=lr, warmup_steps=o.warmup_steps, schedule=o.schedule, total_steps=config.steps,
       weight_decay=o.weight_decay, grad_clip=o.grad_clip)
 
@@ -51,21 +44,15 @@ def _system_prompt(setting: str, knob: str, language: str, thinking: bool) -> st
 
 
 def train_rollout_config(config) -> RolloutConfig:
-  """How one step's dialogues are collected. `rollout.off_policy_steps` is not among them: it
-  is when they are collected, the trainer's affair (`rlver_jax/off_policy.py`)."""
+  """The `rollout` section as the engines take it: its system prompt resolved to the text."""
   r = config.rollout
-  return RolloutConfig(
-      samples_per_profile=r.samples_per_profile,
-      system_prompt=_system_prompt(r.system_prompt, "rollout.system_prompt",
-                                   config.sim_user.language, r.thinking),
-      thinking=r.thinking, format_penalty_reward=r.format_penalty_reward,
-      max_new_tokens=r.max_new_tokens, max_dialogue_tokens=r.max_dialogue_tokens,
-      temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, reward=config.rl.reward,
-      engine=r.engine)
+  return dataclasses.replace(r, system_prompt=_system_prompt(
+      r.system_prompt, "rollout.system_prompt", config.sim_user.language, r.thinking))
 
 
 def eval_rollout_config(config) -> RolloutConfig:
-  """One dialogue per profile, no token budget: the benchmark's settings."""
+  """The `eval` section's decoding as a rollout: one dialogue per profile, no token budget,
+  the benchmark's settings."""
   e = config.eval
   return RolloutConfig(
       samples_per_profile=1,
@@ -105,15 +92,14 @@ class TrainingModels:
   tokenizer: object
   formatter: ChatFormatter
   policy: learner_lib.Learner
-  policy_optim: learner_lib.OptimConfig
+  policy_optim: learner_lib.AdamWConfig
   critic: learner_lib.Learner | None  # PPO only
-  critic_optim: learner_lib.OptimConfig | None
+  critic_optim: learner_lib.AdamWConfig | None
   reference: learner_lib.Learner | None  # with a KL penalty only
   sampler: Sampler  # the policy's weights on this host's local mesh
 
 
-def training_models(config, policy_path: str, loss_cfg: LossConfig,
-                    hosts: multihost.Hosts) -> TrainingModels:
+def training_models(config, policy_path: str, hosts: multihost.Hosts) -> TrainingModels:
   """Policy, critic (PPO) and reference (KL) learners on the training mesh, and the sampler;
   the policy (and by default the critic) from checkpoint directory `policy_path`."""
   tokenizer = pretrained.load_tokenizer(policy_path)
@@ -122,15 +108,16 @@ def training_models(config, policy_path: str, loss_cfg: LossConfig,
               attention=config.policy.attention)
   model = qwen2.from_pretrained(policy_path, **load)
   policy_optim = optim_config(config, config.optim.actor_lr)
-  policy = learner_lib.Learner(model, learner_lib.make_optimizer(policy_optim),
-                               updates.policy_loss, loss_cfg, hosts.train_mesh)
+  policy_loss = functools.partial(updates.policy_loss, temperature=config.rollout.temperature)
+  policy = learner_lib.Learner(model, learner_lib.make_optimizer(policy_optim), policy_loss,
+                               config.rl, hosts.train_mesh)
   critic = critic_optim = None
   if config.rl.algorithm == "ppo":
     value_model = qwen2.value_model_from_pretrained(config.critic.checkpoint or policy_path,
                                                     **load)
     critic_optim = optim_config(config, config.optim.critic_lr)
     critic = learner_lib.Learner(value_model, learner_lib.make_optimizer(critic_optim),
-                                 updates.critic_loss, loss_cfg, hosts.train_mesh,
+                                 updates.critic_loss, config.rl, hosts.train_mesh,
                                  metric_prefix="critic_")
   reference = None
   if config.rl.kl_coef:
@@ -146,7 +133,7 @@ def training_models(config, policy_path: str, loss_cfg: LossConfig,
                         reference=reference, sampler=sampler)
 
 
-def algorithm_step(config, loss_cfg: LossConfig, models: TrainingModels, hosts: multihost.Hosts,
+def algorithm_step(config, models: TrainingModels, hosts: multihost.Hosts,
                    turns) -> step_lib.AlgorithmStep:
   """The PPO/GRPO step of `models`' learners: their updates' schedule, and the global batch
   collated over `hosts`; `turns` (`off_policy.DeviceTurns`) shares the devices with a
@@ -157,9 +144,9 @@ def algorithm_step(config, loss_cfg: LossConfig, models: TrainingModels, hosts: 
       data_parallel=hosts.train_data_parallel_size, thinking=config.rollout.thinking,
       dialogues=config.batch_size * config.rollout.samples_per_profile,
       max_skipped_updates=config.max_skipped_updates, policy_optim=models.policy_optim,
-      critic_optim=models.critic_optim)
+      critic_optim=models.critic_optim, temperature=config.rollout.temperature)
   pad_id = models.tokenizer.pad_token_id or 0
   return step_lib.AlgorithmStep(
-      models.policy, models.critic, models.reference, loss_cfg, step_config,
+      models.policy, models.critic, models.reference, config.rl, step_config,
       collate=lambda samples, batch_multiple: hosts.collate(samples, batch_multiple, pad_id),
       turns=turns)

@@ -3,7 +3,7 @@
 At 7B a program compiled for a TPU slice takes 12-27 s and the policy update
 minutes (`python -m rlver_jax.plan`); a run compiles dozens, and compiled
 them all again after every preemption. With `compile_cache_dir` set (the
-configs' default, `configs/common.py:compile_cache_dir()`: a per-user
+configs' default, `sections.default_compile_cache_dir()`: a per-user
 directory, shared by the runs on one machine; on a pod, a path every host can
 read, e.g. gs://bucket/xla_cache) JAX writes
 each compiled executable there and the next run with the same programs, on

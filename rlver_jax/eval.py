@@ -22,6 +22,7 @@ both scores are printed side by side.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import os
 from typing import Sequence
@@ -33,7 +34,7 @@ from tqdm import tqdm
 from models.errors import RunStopped
 from rl import keys
 from rl import rollout as rollout_lib
-from rlver_jax import builder, cli, config_checks, multihost, run_config, sharding, watchdog
+from rlver_jax import builder, cli, multihost, run_config, sections, sharding, watchdog
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import simulator_factory
 from rlver_jax import workdir as workdir_lib
@@ -132,19 +133,20 @@ def evaluate(config) -> dict:
   The workdir is shared by the hosts (as the checkpoints are): all read the
   results of an earlier run to resume, only process 0 writes.
   """
-  config_checks.check_eval_config(config)
+  run = sections.eval_run(config)
   sharding.maybe_initialize_distributed()
-  with workdir_lib.claim(config.workdir):  # one evaluation per workdir, as one training run
-    return _evaluate(config)
+  with workdir_lib.claim(run.workdir):  # one evaluation per workdir, as one training run
+    return _evaluate(run, config)
 
 
-def _evaluate(config) -> dict:
+def _evaluate(config: sections.EvalRun, config_dict) -> dict:
+  """`evaluate` of the typed run `config`; `config_dict`, as given, goes to W/config.json."""
   primary = jax.process_index() == 0
   e = config.eval
   profiles = profiles_lib.load_profiles(config.eval.profiles)[:e.limit or None]
   results_path = os.path.join(config.workdir, RESULTS_FILE)
   previous = metrics_lib.read_appended_jsonl(results_path)
-  run_config.check_and_save(config, config.workdir, resuming=bool(previous))
+  run_config.check_and_save(config_dict, config.workdir, resuming=bool(previous))
   by_id = {r["id"]: r for r in previous if not r.get("failure")}  # failed ones run again
   events_path = os.path.join(config.workdir, SIMULATOR_EVENTS_FILE)
   earlier_events = _read_json(events_path) if previous else {}
@@ -153,7 +155,8 @@ def _evaluate(config) -> dict:
     logging.info("resuming %s: %d of %d profiles already scored", results_path,
                  len(profiles) - len(todo), len(profiles))
 
-  mesh = multihost.local_mesh(dict(config.mesh))  # each host runs its own dialogues
+  # each host runs its own dialogues
+  mesh = multihost.local_mesh(dataclasses.asdict(config.mesh))
   policy = builder.inference_policy(config, mesh)
   user = builder.simulated_user(config, mesh)
   rollout_cfg = builder.eval_rollout_config(config)

@@ -35,7 +35,6 @@ from absl import logging
 
 from models.errors import UserInputError
 
-CHOICES = (0, 1)  # rollout.off_policy_steps: on-policy, or one step ahead
 CANCEL_WAIT_S = 120.0  # how long a stop waits for a cancelled rollout's last call to return
 
 

@@ -73,7 +73,7 @@ from models.errors import UserInputError  # noqa: E402
 from models.programs import Program  # noqa: E402
 from models.sampling import MIN_CACHE_BUCKET, SamplingParams, bucket_size  # noqa: E402
 from rl import engine, learner, step, updates  # noqa: E402
-from rl.losses import LossConfig  # noqa: E402
+from rl.losses import RLConfig  # noqa: E402
 from rlver_jax import costs, simulator_factory  # noqa: E402
 
 GIB = programs.GIB
@@ -222,12 +222,12 @@ class _Planner:
       host_devices = [d for d in self.mesh.devices.flat if d.process_index == 0]
     self.local_mesh = self.mesh if self.hosts == 1 else partitioning.make_mesh(
         partitioning.per_host_axes(spec.mesh_axes, self.hosts), host_devices)
-    self.loss_cfg = LossConfig(temperature=spec.temperature, kl_coef=1.0 if spec.reference
-                               else 0.0)
-    tx = learner.make_optimizer(learner.OptimConfig())
+    self.loss_cfg = RLConfig(kl_coef=1.0 if spec.reference else 0.0)
+    tx = learner.make_optimizer(learner.AdamWConfig())
     self.policy_model = _abstract_model(qwen2.Qwen2, spec, self.mesh, spec.remat)
-    self.policy = learner.Learner.abstract(self.policy_model, tx, updates.policy_loss,
-                                           self.loss_cfg, self.mesh)
+    policy_loss = functools.partial(updates.policy_loss, temperature=spec.temperature)
+    self.policy = learner.Learner.abstract(self.policy_model, tx, policy_loss, self.loss_cfg,
+                                           self.mesh)
     self.critic = self.reference = None
     if spec.critic:
       self.critic = learner.Learner.abstract(
@@ -243,8 +243,9 @@ class _Planner:
 
   def learner_programs(self) -> dict[str, Program]:
     """What the training step of these learners runs (`rl.step.AlgorithmStep.programs`)."""
-    return step.AlgorithmStep(self.policy, self.critic, self.reference,
-                              self.loss_cfg).programs(self.spec)
+    return step.AlgorithmStep(self.policy, self.critic, self.reference, self.loss_cfg,
+                              step.StepConfig(temperature=self.spec.temperature)
+                              ).programs(self.spec)
 
   @functools.cached_property
   def policy_on_host(self):

@@ -18,6 +18,7 @@ Writes W/retention_TASK.jsonl (one line per item) and W/retention_TASK_summary.j
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -30,7 +31,7 @@ from tqdm import tqdm
 from models.sampling import SamplingParams
 from models.errors import UserInputError
 from rl import keys
-from rlver_jax import builder, cli, multihost, sharding, watchdog
+from rlver_jax import builder, cli, multihost, sections, sharding, watchdog
 from rlver_jax import workdir as workdir_lib
 from sim_user.jsonl import iter_jsonl
 from sim_user.thinking import strip_thinking
@@ -214,6 +215,7 @@ def score(task: str, item: dict, response: str) -> dict:
 
 
 def evaluate(config) -> dict:
+  config = sections.retention_run(config)
   r = config.retention
   if not config.workdir:
     raise UserInputError("no workdir: set --config.workdir=DIR")
@@ -230,7 +232,7 @@ def evaluate(config) -> dict:
     items = items[:r.limit]
   sharding.maybe_initialize_distributed()
   workdir_lib.prepare(config.workdir)
-  mesh = multihost.local_mesh(dict(config.mesh))  # each host answers its share of the items
+  mesh = multihost.local_mesh(dataclasses.asdict(config.mesh))  # each host answers its share of the items
   policy = builder.inference_policy(config, mesh)
   params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
 

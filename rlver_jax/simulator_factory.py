@@ -9,11 +9,9 @@ from sim_user import dynamics
 from sim_user.backends.flax_llm import FlaxLLMBackend
 from sim_user.backends.openai_http import OpenAIChatBackend
 from sim_user.backends.scripted import ScriptedBackend
-from sim_user.simulator import DROP, END_FAILED, SimulatedUser
+from sim_user.config import BACKENDS, ON_FAILURE
+from sim_user.simulator import SimulatedUser
 from sim_user.templates import PromptSet
-
-BACKENDS = ("openai", "flax", "scripted")
-ON_FAILURE = (DROP, END_FAILED)
 
 
 def make_backend(cfg, mesh=None, seed: int = 0):

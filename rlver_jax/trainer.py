@@ -22,6 +22,7 @@ rollout collected ahead is dropped by a stop and collected again on resume.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import functools
 import os
 import time
@@ -37,9 +38,10 @@ from models import host_metrics, partitioning, qwen2
 from rl import keys
 from rl import rollout as rollout_lib
 from rl.step import TrainingError
-from rlver_jax import builder, compile_cache, config_checks, dialogue_log
+from rlver_jax import builder, compile_cache, dialogue_log
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import multihost, off_policy, preemption, run_config, sharding, simulator_factory
+from rlver_jax import multihost, off_policy, preemption, run_config, sections, sharding
+from rlver_jax import simulator_factory
 from rlver_jax import tiny
 from rlver_jax import workdir as workdir_lib
 from sim_user import profiles as profiles_lib
@@ -131,8 +133,9 @@ host_metrics.declare({
 class Trainer:
 
   def __init__(self, config):
-    config_checks.check_train_config(config)
-    self.config = config
+    """`config`: an ml-collections training config, read as its typed, checked run."""
+    self.config_dict = config  # as given, for W/config.json
+    self.config = config = sections.train_run(config)
     sharding.maybe_initialize_distributed()
     self.lock = workdir_lib.claim(config.workdir)  # before anything is written there
     self.checkpoints = self.metrics = self.dialogue_log = None
@@ -157,16 +160,15 @@ class Trainer:
     # wait for: a run that fails moments later would exit under it, and the thread dies with
     # "cannot schedule new futures after interpreter shutdown" (half the time, on this VM).
     getattr(self.checkpoints, "_maybe_await_cleanup_tmp_directory", lambda: None)()
-    run_config.check_and_save(config, config.workdir,
+    run_config.check_and_save(self.config_dict, config.workdir,
                               resuming=self.checkpoints.latest_step() is not None)
-    mesh = partitioning.make_mesh(dict(config.mesh))
-    self.hosts = multihost.Hosts(mesh, dict(config.mesh))
-    self.off_policy_steps = config.rollout.get("off_policy_steps", 0)
+    mesh_axes = dataclasses.asdict(config.mesh)
+    self.hosts = multihost.Hosts(partitioning.make_mesh(mesh_axes), mesh_axes)
+    self.off_policy_steps = config.rollout.off_policy_steps
     off_policy.check_supported(self.off_policy_steps, self.hosts.count)
     # On several devices, the background rollout and the update take turns on them.
     self.turns = off_policy.DeviceTurns(
         enabled=bool(self.off_policy_steps) and self.hosts.train_mesh.devices.size > 1)
-    self.loss_cfg = builder.loss_config(config)
     self.rollout_cfg = builder.train_rollout_config(config)
     self.profiles = profiles_lib.load_profiles(config.data.train_profiles)
     # The simulator's health check comes before the policy's warm-up and loading: a dead
@@ -174,12 +176,11 @@ class Trainer:
     self.user = builder.simulated_user(config, self.hosts.local_mesh)
     policy_path = (tiny.demo_policy(config) if config.policy.tiny_init
                    else config.policy.checkpoint)
-    self.models = builder.training_models(config, policy_path, self.loss_cfg, self.hosts)
+    self.models = builder.training_models(config, policy_path, self.hosts)
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
         simulator_factory.describe(config.sim_user))
-    self.algorithm = builder.algorithm_step(config, self.loss_cfg, self.models, self.hosts,
-                                            self.turns)
+    self.algorithm = builder.algorithm_step(config, self.models, self.hosts, self.turns)
 
     self.step, self.order = 0, ProfileOrder(len(self.profiles), config.seed)
     self.sampler_step = None  # the step whose weights the sampler holds (0: the initial ones)
@@ -289,7 +290,8 @@ class Trainer:
     sim_counts_before = dict(user.metrics)
     rollout = rollout_lib.collect(
         sampler, self.models.formatter, user, chosen[share.start:share.stop], self.rollout_cfg,
-        keys.rollout_step(self.config.seed, step), first_profile=share.start)
+        keys.rollout_step(self.config.seed, step), first_profile=share.start,
+        reward=self.config.rl.reward)
     sim_events = {key: count - sim_counts_before.get(key, 0)  # this rollout's simulator events
                   for key, count in user.metrics.items()}
     return rollout, sim_events

@@ -4,14 +4,15 @@ import os
 import subprocess
 import sys
 
-from configs import common, demo
+from configs import demo, eval as eval_config, retention
 from tests.test_trainer import ROOT, read_metrics
 
 
 def test_every_config_caches_compiled_programs_per_user_by_default(monkeypatch):
   monkeypatch.setenv("XDG_CACHE_HOME", "/cache/home")
   assert demo.get_config().compile_cache_dir == "/cache/home/rlver_jax/xla"
-  assert common.inference_config().compile_cache_dir == "/cache/home/rlver_jax/xla"
+  assert eval_config.get_config().compile_cache_dir == "/cache/home/rlver_jax/xla"
+  assert retention.get_config().compile_cache_dir == "/cache/home/rlver_jax/xla"
 
 
 def test_a_second_run_compiles_its_first_step_in_under_a_quarter_of_the_time(tmp_path):

@@ -242,11 +242,12 @@ def make_user(backend=None):
                        templates.PromptSet.load(language="en", variant="vanilla"))
 
 
-def both_engines(chat_policy, user_factory=make_user, **config):
+def both_engines(chat_policy, user_factory=make_user, reward="final", **config):
   sampler, formatter, demo = chat_policy
-  config = RolloutConfig(max_new_tokens=12, temperature=0.0, **config)
+  config = RolloutConfig(system_prompt="", max_new_tokens=12, temperature=0.0, **config)
   return [rollout_lib.collect(sampler, formatter, user_factory(), demo, dataclasses.replace(
-      config, engine=engine), jax.random.key(1)) for engine in ("lockstep", "continuous")]
+      config, engine=engine), jax.random.key(1), reward=reward)
+          for engine in ("lockstep", "continuous")]
 
 
 def assert_same_rollouts(lockstep, continuous):
@@ -306,7 +307,7 @@ class SlowForOne(ScriptedBackend):
 
 def test_a_slow_failing_simulator_call_does_not_hold_up_other_dialogues(chat_policy):
   sampler, formatter, demo = chat_policy
-  config = RolloutConfig(max_new_tokens=12, temperature=0.0, max_dialogue_tokens=30)
+  config = RolloutConfig(system_prompt="", max_new_tokens=12, temperature=0.0, max_dialogue_tokens=30)
   backend = SlowForOne(demo[0].id)
   first = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, jax.random.key(1))
   # Again, the failing call now hanging until the others made every call they made before.
@@ -359,8 +360,8 @@ def test_the_engine_compiles_its_fixed_program_set_once_whatever_the_order(chat_
   chat, formatter, demo = chat_policy
   sampler = Sampler(nnx.merge(chat.graphdef, chat.state), stop_token_ids=chat.stop_token_ids,
                     pad_id=chat.pad_id, decode_chunk_steps=4)
-  config = RolloutConfig(max_new_tokens=12, temperature=1.0, max_dialogue_tokens=30,
-                                     samples_per_profile=2)
+  config = RolloutConfig(system_prompt="", max_new_tokens=12, temperature=1.0,
+                         max_dialogue_tokens=30, samples_per_profile=2)
   rollouts = []
   collect = lambda seed: rollouts.append(rollout_lib.collect(
       sampler, formatter, make_user(AnswersInRandomOrder(seed)), demo, config,

@@ -2,7 +2,6 @@
 weights sample each step, the behaviour policy's log-probs in the losses, a stop signal
 during the rollout collected ahead, resume, an error in the background, the config checks."""
 
-import dataclasses
 import json
 import os
 import signal
@@ -21,7 +20,7 @@ from models.errors import UserInputError
 from rl import advantages as advantages_lib
 from rl import forward
 from rl import rollout as rollout_lib
-from rlver_jax import builder, config_checks, off_policy, preemption, run_config, trainer
+from rlver_jax import off_policy, preemption, run_config, sections, trainer
 from tests.test_preemption import NO_ROUTINE_SAVES
 from tests.test_trainer import ROOT, _profiles_file, read_metrics, small_demo
 
@@ -248,12 +247,10 @@ def _train_config(tmp_path, **rollout):
 def test_off_policy_steps_is_0_or_1_on_one_process_and_listed(tmp_path):
   for recipe in (ppo.get_config(), grpo.get_config(), demo.get_config()):
     assert recipe.rollout.off_policy_steps == 0  # the published protocol: on-policy
-  assert "off_policy_steps" not in dataclasses.asdict(builder.train_rollout_config(
-      _train_config(tmp_path, off_policy_steps=1)))  # the trainer's, not the rollout's
-  config_checks.check_train_config(_train_config(tmp_path, off_policy_steps=1))
+  sections.train_run(_train_config(tmp_path, off_policy_steps=1))
   with pytest.raises(UserInputError, match=r"rollout\.off_policy_steps=2: expected one of "
                      r"\(0, 1\)"):
-    config_checks.check_train_config(_train_config(tmp_path, off_policy_steps=2))
+    sections.train_run(_train_config(tmp_path, off_policy_steps=2))
   off_policy.check_supported(1, process_count=1)
   off_policy.check_supported(0, process_count=4)
   with pytest.raises(UserInputError, match=r"rollout\.off_policy_steps=1 runs in one process "

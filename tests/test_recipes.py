@@ -33,8 +33,8 @@ from models.sampling import LENGTH, STOP, Completions, DecodeStats
 from rl import learner as learner_lib
 from rl import system_prompts, updates
 from rl.batch import TrainBatch
-from rl.losses import LossConfig
-from rlver_jax import config_checks
+from rl.losses import RLConfig
+from rlver_jax import sections
 from rlver_jax import eval as evaluator
 from rlver_jax import metrics as metrics_lib
 from models import pretrained
@@ -43,7 +43,7 @@ from sim_user import profiles
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
-NOT_RECIPES = ("__init__.py", "common.py")  # shared sections, not recipes
+NOT_RECIPES = ("__init__.py",)
 FAULTS = ["500", "malformed"]  # the fake server's answers to every prompt's first two attempts
 
 # What a runner may change: sizes, inputs and where the simulator is.
@@ -240,8 +240,8 @@ def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(checkpoi
   mesh = partitioning.make_mesh(dict(ppo.get_config().mesh))  # fsdp over all 8 devices
   model = qwen2.from_pretrained(checkpoint, dtype="bfloat16", param_dtype="float32", mesh=mesh,
                                 remat=True)
-  learner = learner_lib.Learner(model, learner_lib.make_optimizer(learner_lib.OptimConfig()),
-                                updates.policy_loss, LossConfig(), mesh)
+  learner = learner_lib.Learner(model, learner_lib.make_optimizer(learner_lib.AdamWConfig()),
+                                updates.policy_loss, RLConfig(), mesh)
   embed = learner.params["backbone"]["embed"].value
   assert not embed.sharding.is_fully_replicated
   moments = [x for x in jax.tree.leaves(learner.opt_state) if x.shape == embed.shape]
@@ -386,7 +386,7 @@ BAD_TRAINING_SETTINGS = [
                          ids=[next(iter(o)) + "-" + n for n, o, _ in BAD_TRAINING_SETTINGS])
 def test_a_setting_that_cannot_train_fails_at_start_up(name, overrides, message):
   config = trainable_config(name)
-  config_checks.check_train_config(config)  # the recipe itself is fine
+  sections.train_run(config)  # the recipe itself is fine
   for field, value in overrides.items():
     *parents, leaf = field.split(".")
     node = config
@@ -403,7 +403,7 @@ def test_every_bad_field_is_named_at_once():
   config = trainable_config("grpo", "think")
   config.rollout.temperature, config.steps = 0.0, 0
   with pytest.raises(UserInputError) as raised:
-    config_checks.check_train_config(config)
+    sections.train_run(config)
   assert "rollout.temperature=0.0" in str(raised.value) and "steps=0" in str(raised.value)
 
 
@@ -418,7 +418,7 @@ def test_an_evaluation_that_cannot_run_fails_at_start_up(field, value, message):
   config = eval_config.get_config()
   config.workdir, config.policy.checkpoint = "/tmp/never-created", "/ckpt/qwen"
   config.eval.profiles, config.sim_user.base_url = "/data/test.jsonl", "http://127.0.0.1:1/v1"
-  config_checks.check_eval_config(config)  # greedy decoding (temperature 0) is fine
+  sections.eval_run(config)  # greedy decoding (temperature 0) is fine
   config.eval[field] = value
   with pytest.raises(UserInputError, match=message.replace("(", r"\(").replace(")", r"\)")
                      .replace("[", r"\[")):

@@ -7,7 +7,7 @@ import pytest
 from models import partitioning, qwen2
 from rl import learner, step, updates
 from rl.agent import Sample
-from rl.losses import LossConfig
+from rl.losses import RLConfig
 
 MODEL = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=1,
                           num_heads=4, num_kv_heads=2)
@@ -24,8 +24,8 @@ def _samples(count: int) -> list[Sample]:
 
 def test_a_grpo_step_trains_on_samples_alone_and_lists_the_programs_it_ran():
   mesh = partitioning.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
-  cfg = LossConfig(advantage="grpo")
-  optim = learner.OptimConfig(lr=1e-2)
+  cfg = RLConfig(algorithm="grpo")
+  optim = learner.AdamWConfig(lr=1e-2)
   policy = learner.Learner(qwen2.init_random(MODEL), learner.make_optimizer(optim),
                            updates.policy_loss, cfg, mesh)
   before = jax.device_get(policy.params)

@@ -12,7 +12,7 @@ import pytest
 
 from configs import demo
 from models.errors import UserInputError
-from rlver_jax import config_checks, run_config, workdir
+from rlver_jax import run_config, sections, workdir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
@@ -86,7 +86,7 @@ def test_a_checkpoint_under_the_tiny_demo_policy_is_refused(tmp_path):
   config.policy.checkpoint = "/ckpt/Qwen2.5-7B-Instruct"
   with pytest.raises(UserInputError, match=r"policy.checkpoint='/ckpt/Qwen2.5-7B-Instruct' with "
                      r"policy.tiny_init=True .*--config.policy.tiny_init=False"):
-    config_checks.check_train_config(config)
+    sections.train_run(config)
 
 
 PLANTED_KEY = "sk-PLANTEDKEY0123456789"
