@@ -16,7 +16,7 @@ and `apply_gradients`), the sampler's weight refresh (`WeightCopy`) and the
 rollout engine's row programs (`Sampler.prefill_rows` / `decode_rows`), on
 host 0's devices as the sampler runs on each host's own. The row programs
 are a fixed set of at most 12 widths and attended slots at one capacity
-(`row_sampler.row_program_set`, what the sampler compiles before a rollout);
+(`row_programs.row_program_set`, what the sampler compiles before a rollout);
 `--row_programs=all` compiles each, the default `bounding` only the largest
 of each kind (the others need less memory) and counts the rest.
 
@@ -68,7 +68,7 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 
 from models import attention, batch_sampler, partitioning, programs, qwen2  # noqa: E402
-from models import row_sampler, topology, weight_copy  # noqa: E402
+from models import row_programs, topology, weight_copy  # noqa: E402
 from models.errors import UserInputError  # noqa: E402
 from models.programs import Program  # noqa: E402
 from models.sampling import MIN_CACHE_BUCKET, SamplingParams, bucket_size  # noqa: E402
@@ -122,7 +122,7 @@ class PlanSpec(step.StepShape):
                            f"{', '.join(ROW_PROGRAM_CHOICES)}")
     cache_len = self.cache_len or self.seq_len
     object.__setattr__(self, "cache_len", cache_len)
-    object.__setattr__(self, "prefill_chunk", self.prefill_chunk or row_sampler.PREFILL_CHUNK)
+    object.__setattr__(self, "prefill_chunk", self.prefill_chunk or row_programs.PREFILL_CHUNK)
     object.__setattr__(self, "dialogue_tokens", self.dialogue_tokens or cache_len // 2)
     object.__setattr__(self, "dialogues", self.dialogues or self.micro_batch * self.grad_accum)
     object.__setattr__(self, "remat", qwen2.remat_policy_name(self.remat))
@@ -276,12 +276,12 @@ class _Planner:
                                                             self.policy_on_host[1])
     shards = math.prod(self.local_mesh.shape[a]
                        for a in partitioning.mesh_axes("batch", self.local_mesh))
-    calls = row_sampler.row_program_set(
+    calls = row_programs.row_program_set(
         math.lcm(self.rows_per_host, shards), bucket_size(spec.cache_len, MIN_CACHE_BUCKET),
         shards, prefill_chunk=spec.prefill_chunk)
     bounding = _row_programs_to_compile(calls, "bounding")
     for call in _row_programs_to_compile(calls, choice):
-      program = row_sampler.row_program(graphdef, weights, spec.model, self.local_mesh, call,
+      program = row_programs.row_program(graphdef, weights, spec.model, self.local_mesh, call,
                                         math.lcm(self.rows_per_host, shards),
                                         jnp.dtype(spec.dtype), as_list, spec.sampling)
       # Which smaller shapes a rollout meets depends on its events: the estimate charges
@@ -314,7 +314,7 @@ def _row_calls_per_step(call, spec: PlanSpec, rows: int) -> float:
   """How often a step runs a bounding row program, for the estimate: every decode chunk of
   `dialogue_tokens` tokens, and the prefill of the rest of `seq_len` in full chunks."""
   if call.kind == "decode_rows":
-    return spec.dialogue_tokens / row_sampler.DECODE_CHUNK_STEPS * rows / call.width
+    return spec.dialogue_tokens / row_programs.DECODE_CHUNK_STEPS * rows / call.width
   fed = max(spec.seq_len - spec.dialogue_tokens, 0)
   return fed / call.chunk * rows / call.width
 
@@ -492,7 +492,7 @@ def _define_flags() -> None:
                        "config's optim.grad_accum)")
   flags.DEFINE_integer("cache_len", None, "sampler cache slots per row (default seq_len)")
   flags.DEFINE_integer("prefill_chunk", None, "tokens one sampler prefill call feeds a row (default "
-                       f"{row_sampler.PREFILL_CHUNK})")
+                       f"{row_programs.PREFILL_CHUNK})")
   flags.DEFINE_integer("dialogue_tokens", None, "the policy's tokens per dialogue, for the "
                        "time estimate (default cache/2)")
   flags.DEFINE_string("dtype", "bfloat16", "compute dtype")

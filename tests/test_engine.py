@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from models import partitioning, pretrained, qwen2
-from models.row_sampler import row_program_set
+from models.row_programs import row_program_set
 from models.sampler import Sampler
 from models.sampling import SamplingParams, ladder
 from rl import rollout as rollout_lib

@@ -125,7 +125,7 @@ def test_row_programs_take_rows_within_each_data_shard():
   # The rollout engine's row programs take chosen rows of a KV cache whose batch is split
   # over fsdp. Each shard takes its own rows, so no all-gather carries cache slots (taking
   # them from the whole batch all-gathered the whole cache: +20 GiB per device at 7B, 16k).
-  from models import row_sampler
+  from models import row_programs
   from models.sampling import SamplingParams
   config = qwen2.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128,
                              num_layers=2, num_heads=4, num_kv_heads=2)
@@ -134,10 +134,10 @@ def test_row_programs_take_rows_within_each_data_shard():
   params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                         state, partitioning.state_shardings(state, mesh))
   cache_len = 512  # no other dimension of the programs has this size
-  calls = [row_sampler.RowCall("prefill_rows", 8, cache_len, cache_len, 16),
-           row_sampler.RowCall("decode_rows", 8, cache_len, cache_len)]
+  calls = [row_programs.RowCall("prefill_rows", 8, cache_len, cache_len, 16),
+           row_programs.RowCall("decode_rows", 8, cache_len, cache_len)]
   for call in calls:
-    program = row_sampler.row_program(graphdef, params, config, mesh, call, 8, jnp.bfloat16,
+    program = row_programs.row_program(graphdef, params, config, mesh, call, 8, jnp.bfloat16,
                                       False, SamplingParams())
     with partitioning.mesh_context(mesh):
       hlo = program.fn.lower(*program.args, **program.static).compile().as_text()
