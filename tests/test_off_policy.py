@@ -34,13 +34,13 @@ def _record_collects(monkeypatch, before=None):
   calls = []
   real = rollout_lib.collect
 
-  def recording(sampler, formatter, user, profiles, config, key, first_profile=0):
+  def recording(sampler, formatter, user, profiles, config, key, **kwargs):
     record = {"thread": threading.current_thread().name, "profiles": [p.id for p in profiles],
               "weights": jax.device_get(sampler.state), "finished": False}
     calls.append(record)
     if before is not None:
       before(record)
-    out = real(sampler, formatter, user, profiles, config, key, first_profile=first_profile)
+    out = real(sampler, formatter, user, profiles, config, key, **kwargs)
     record["finished"] = True
     return out
 
