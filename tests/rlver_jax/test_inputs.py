@@ -15,8 +15,8 @@ from models.errors import MissingInputError, UserInputError
 from models import pretrained
 from rlver_jax import plan, retention, tiny
 from sim_user import profiles
+from tests import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GOOD_PROFILE = {"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": "be praised"}
 
 

@@ -1,5 +1,5 @@
-"""The trainer end to end on the demo config (its learning: tests/test_demo.py): resume after a
-kill, 8 devices; a dead simulator; metrics and config files across resumes."""
+"""The trainer end to end on the demo config (its learning: tests/rlver_jax/test_demo.py): resume
+after a kill, 8 devices; a dead simulator; metrics and config files across resumes."""
 
 import json
 import os
@@ -18,8 +18,7 @@ from models.errors import UserInputError
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import run_config, trainer
 from sim_user import profiles as profiles_lib
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 
 
 def small_demo(workdir, **overrides):

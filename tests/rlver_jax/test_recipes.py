@@ -40,8 +40,8 @@ from rlver_jax import metrics as metrics_lib
 from models import pretrained
 from rlver_jax import retention, tiny, trainer
 from sim_user import profiles
+from tests import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 NOT_RECIPES = ("__init__.py",)
 FAULTS = ["500", "malformed"]  # the fake server's answers to every prompt's first two attempts

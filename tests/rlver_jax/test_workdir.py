@@ -13,8 +13,8 @@ import pytest
 from configs import demo
 from models.errors import UserInputError
 from rlver_jax import run_config, sections, workdir
+from tests import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 HOLD_LOCK = ("import sys, time\nfrom rlver_jax import workdir\n"
              "lock = workdir.RunLock.acquire(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(120)\n")

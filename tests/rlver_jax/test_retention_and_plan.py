@@ -14,8 +14,7 @@ from flax import nnx
 from configs import retention as retention_config
 from models import partitioning, qwen2
 from rlver_jax import plan, retention, tiny
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests import ROOT
 
 
 @pytest.mark.parametrize("response,reference,correct", [

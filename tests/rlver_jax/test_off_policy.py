@@ -21,8 +21,9 @@ from rl import advantages as advantages_lib
 from rl import forward
 from rl import rollout as rollout_lib
 from rlver_jax import off_policy, preemption, run_config, sections, trainer
-from tests.test_preemption import NO_ROUTINE_SAVES
-from tests.test_trainer import ROOT, _profiles_file, read_metrics, small_demo
+from tests import ROOT
+from tests.rlver_jax.test_preemption import NO_ROUTINE_SAVES
+from tests.rlver_jax.test_trainer import _profiles_file, read_metrics, small_demo
 
 OFF = {"rollout.off_policy_steps": 1}
 BACKGROUND = "rollout-step-"  # the name of a background rollout's thread, before its step

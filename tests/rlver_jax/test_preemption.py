@@ -12,8 +12,9 @@ import pytest
 
 from rl import rollout as rollout_lib
 from rlver_jax import preemption, trainer
-from tests.test_multihost import launch, log_of, wait
-from tests.test_trainer import ROOT, read_metrics, small_demo
+from tests import ROOT
+from tests.rlver_jax.test_multihost import launch, log_of, wait
+from tests.rlver_jax.test_trainer import read_metrics, small_demo
 
 NO_ROUTINE_SAVES = {"checkpoint.every": 0, "checkpoint.every_minutes": 0.0}  # saved at the end
 

@@ -5,7 +5,8 @@ import subprocess
 import sys
 
 from configs import demo, eval as eval_config, retention
-from tests.test_trainer import ROOT, read_metrics
+from tests import ROOT
+from tests.rlver_jax.test_trainer import read_metrics
 
 
 def test_every_config_caches_compiled_programs_per_user_by_default(monkeypatch):

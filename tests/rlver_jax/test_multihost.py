@@ -19,10 +19,10 @@ from rl import updates
 from rl.rollout import Rollout
 from rlver_jax import multihost, tiny, watchdog
 from sim_user import profiles
+from tests import ROOT
 from tests.conftest import fake_cpu_devices
-from tests.test_multiprocess import _free_port
+from tests.rlver_jax.test_multiprocess import _free_port
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEMO = [f"--config={ROOT}/configs/demo.py", "--config.batch_size=4",
         "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1",
         "--config.policy.tiny_warmup_steps=2"]

@@ -11,13 +11,13 @@ import pytest
 
 from models.errors import UserInputError
 from rlver_jax import cli, fields
+from tests import ROOT
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLANTED_SECRET = "sk-PLANTED123456"
 
 
 def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, capture_output=True,
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
                         text=True, timeout=120)
 
 
