@@ -21,6 +21,9 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import pytest  # noqa: E402
 
+# The shared helpers' asserts report their values, as the tests' own do.
+pytest.register_assert_rewrite("tests.demo_run")
+
 
 def pytest_addoption(parser):
   parser.addoption("--run-slow", action="store_true", default=False,

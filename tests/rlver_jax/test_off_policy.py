@@ -21,7 +21,7 @@ from rl import advantages as advantages_lib
 from rl import forward
 from rl import rollout as rollout_lib
 from rlver_jax import off_policy, preemption, run_config, sections, trainer
-from tests import ROOT
+from tests import ROOT, demo_run
 from tests.rlver_jax.test_preemption import NO_ROUTINE_SAVES
 from tests.rlver_jax.test_trainer import _profiles_file, read_metrics, small_demo
 
@@ -189,42 +189,22 @@ def test_sigterm_while_a_rollout_runs_ahead_exits_75_and_the_rerun_resumes(tmp_p
   flight when step 2 ends."""
   server = LatencyServer([], latency_s=lambda prompt: 0.1)
   threading.Thread(target=server.serve_forever, daemon=True).start()
-  command = [sys.executable, "-m", "rlver_jax.main", f"--config={ROOT}/configs/demo.py",
-             f"--config.workdir={tmp_path / 'run'}", "--config.steps=4",
-             "--config.batch_size=4", "--config.rollout.max_new_tokens=8",
-             "--config.checkpoint.every=0", "--config.checkpoint.every_minutes=0",
-             "--config.policy.tiny_warmup_steps=2", "--config.mesh.fsdp=1",
-             "--config.rollout.off_policy_steps=1", "--config.sim_user.backend=openai",
-             f"--config.sim_user.base_url={server.url}",
-             "--config.sim_user.api_key_env=TEST_NO_KEY",
-             f"--config.data.train_profiles={_profiles_file(tmp_path / 'p.jsonl', ' VARY')}"]
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  flags = [f"--config={ROOT}/configs/demo.py",
+           f"--config.workdir={tmp_path / 'run'}", "--config.steps=4",
+           "--config.batch_size=4", "--config.rollout.max_new_tokens=8",
+           "--config.checkpoint.every=0", "--config.checkpoint.every_minutes=0",
+           "--config.policy.tiny_warmup_steps=2", "--config.mesh.fsdp=1",
+           "--config.rollout.off_policy_steps=1", "--config.sim_user.backend=openai",
+           f"--config.sim_user.base_url={server.url}",
+           "--config.sim_user.api_key_env=TEST_NO_KEY",
+           f"--config.data.train_profiles={_profiles_file(tmp_path / 'p.jsonl', ' VARY')}"]
   workdir = tmp_path / "run"
   try:
-    first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
-    try:
-      deadline = time.monotonic() + 600
-      while len(read_metrics(workdir)) < 2:
-        assert first.poll() is None and time.monotonic() < deadline
-        time.sleep(0.05)
-      first.send_signal(signal.SIGTERM)
-      out, err = first.communicate(timeout=300)
-    finally:
-      first.kill()
-    assert first.returncode == preemption.PREEMPTED_EXIT_CODE, err[-3000:]
-    before = read_metrics(workdir)
+    _, before = demo_run.preempt(flags, workdir, stop_after=2, steps=4)
     finished = len(before)
     assert finished in (2, 3)
-    assert err.strip().splitlines()[-1] == (
-        f"preempted: SIGTERM: stopped at step {finished}/4; step {finished}'s checkpoint is "
-        "saved. Run the same command again to resume (exit status 75)")
-    assert "Traceback" not in err
-    assert sorted(os.listdir(workdir / "checkpoints")) == [str(finished)]
 
-    second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
-                            timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
+    demo_run.rerun(flags)
     after = read_metrics(workdir)
     assert [r["step"] for r in after] == [1, 2, 3, 4]
     assert after[:finished] == before

@@ -12,7 +12,7 @@ import pytest
 
 from rl import rollout as rollout_lib
 from rlver_jax import preemption, trainer
-from tests import ROOT
+from tests import ROOT, demo_run
 from tests.rlver_jax.test_multihost import launch, log_of, wait
 from tests.rlver_jax.test_trainer import read_metrics, small_demo
 
@@ -82,31 +82,15 @@ ARGS = [f"--config={ROOT}/configs/demo.py", "--config.steps=6", "--config.batch_
 
 def test_sigterm_mid_step_saves_exits_75_and_the_rerun_resumes(tmp_path):
   (tmp_path / "export").mkdir(parents=True)  # a stale export of an earlier run
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  command = [sys.executable, "-m", "rlver_jax.main", *ARGS, "--config.mesh.fsdp=1",
-             f"--config.workdir={tmp_path}"]
-  first = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
-  try:
-    _wait_for_steps(tmp_path, 2, [first])
-    first.send_signal(signal.SIGTERM)  # in step 3: its rollout is dropped or its update finishes
-    out, err = first.communicate(timeout=300)
-  finally:
-    first.kill()
-  assert first.returncode == preemption.PREEMPTED_EXIT_CODE, err[-3000:]
-  before = read_metrics(tmp_path)
+  flags = [*ARGS, "--config.mesh.fsdp=1", f"--config.workdir={tmp_path}"]
+  # SIGTERM in step 3: its rollout is dropped or its update finishes.
+  out, before = demo_run.preempt(flags, tmp_path, stop_after=2, steps=6)
   finished = len(before)
   assert [r["step"] for r in before] == list(range(1, finished + 1)) and finished in (2, 3)
-  assert err.strip().splitlines()[-1] == (
-      f"preempted: SIGTERM: stopped at step {finished}/6; step {finished}'s checkpoint is saved. "
-      "Run the same command again to resume (exit status 75)")
-  assert "Traceback" not in err
-  assert sorted(os.listdir(tmp_path / "checkpoints")) == [str(finished)]
   assert f"run preempted (SIGTERM) at step {finished}/6" in out
   assert "export:" not in out  # this run exported nothing
 
-  second = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-  assert second.returncode == 0, second.stderr[-3000:]
+  second = demo_run.rerun(flags)
   assert f"at step {finished}" in second.stderr.split("resumed from")[1].splitlines()[0]
   after = read_metrics(tmp_path)
   assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
