@@ -17,7 +17,8 @@ import ml_collections
 
 from rlver_jax import sections
 
-VARIANTS = ("", "think")  # --config=configs/ppo.py[:variant]; tests/test_recipes.py runs each
+# --config=configs/ppo.py[:variant]; tests/rlver_jax/test_recipes.py runs each
+VARIANTS = ("", "think")
 
 
 def base_config(arg: str = "") -> ml_collections.ConfigDict:

@@ -137,7 +137,7 @@ class Learner:
         if jax.default_backend() == "cpu":
           # XLA:CPU runs each fake device's share of a collective on a shared thread pool;
           # with several sharded programs in flight on few cores they can deadlock (seen in
-          # tests/test_recipes.py on 2 cores), so CPU runs one micro-batch at a time.
+          # tests/rlver_jax/test_recipes.py on 2 cores), so CPU runs one micro-batch at a time.
           jax.block_until_ready(grads)
         parts.append({**metrics, "loss": loss})
       metrics = jax.tree.map(lambda *values: sum(values), *parts)

@@ -4,7 +4,7 @@ Why analytic: XLA's cost analysis of a compiled program counts a loop body
 once (a scanned 28-layer update reports about one layer's FLOPs, and the
 sampler's decode loop one token's), and a Pallas kernel (splash) not at all.
 The FLOP counts here are checked against XLA's on programs without loops
-(`tests/test_tpu_compile.py`); bytes are estimates of the dominant traffic.
+(`tests/rlver_jax/test_costs.py`); bytes are estimates of the dominant traffic.
 
 Every figure is per chip for one call of a program (`models.programs.Program`,
 whose `work` names what it computes). Time is a roofline: the largest of
