@@ -217,22 +217,16 @@ def score(task: str, item: dict, response: str) -> dict:
 def evaluate(config) -> dict:
   config = sections.retention_run(config)
   r = config.retention
-  if not config.workdir:
-    raise UserInputError("no workdir: set --config.workdir=DIR")
-  if not config.policy.checkpoint:
-    raise UserInputError("no policy checkpoint: set --config.policy.checkpoint=DIR")
   if r.tfds_name:
     items = read_tfds(r.tfds_name, r.tfds_data_dir, r.split, r.question_field, r.answer_field)
-  elif r.data:
-    items = read_items(r.data, r.task)
   else:
-    raise UserInputError("no data: set --config.retention.data=FILE.jsonl or "
-                     "--config.retention.tfds_name=NAME with --config.retention.tfds_data_dir")
+    items = read_items(r.data, r.task)
   if r.limit:
     items = items[:r.limit]
   sharding.maybe_initialize_distributed()
   workdir_lib.prepare(config.workdir)
-  mesh = multihost.local_mesh(dataclasses.asdict(config.mesh))  # each host answers its share of the items
+  # each host answers its share of the items
+  mesh = multihost.local_mesh(dataclasses.asdict(config.mesh))
   policy = builder.inference_policy(config, mesh)
   params = SamplingParams(max_new_tokens=r.max_new_tokens, temperature=r.temperature)
 

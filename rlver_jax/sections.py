@@ -31,6 +31,7 @@ from rl.rollout_config import RolloutConfig, check_sampling
 from sim_user.config import SimUserConfig
 
 LR_SCHEDULES = ("constant", "cosine")
+RETENTION_TASKS = ("math", "ifeval")  # rlver_jax/retention.py scores each
 
 
 def default_compile_cache_dir() -> str:
@@ -375,6 +376,16 @@ class RetentionConfig(Section):
   system_prompt: str = ""
   strip_thinking: bool = True
 
+  def check(self, p: Problems) -> None:
+    p.one_of("task", RETENTION_TASKS)
+    if not (self.data or self.tfds_name):
+      p.add(f"{p.prefix}data is not set: give --config.retention.data=FILE.jsonl or "
+            "--config.retention.tfds_name=NAME with --config.retention.tfds_data_dir")
+    p.require("limit", at_least(0), "must be >= 0 (0: every item)")
+    p.require("batch_size", at_least(1), "must be >= 1")
+    p.require("max_new_tokens", at_least(1), "must be >= 1")
+    p.require("temperature", at_least(0.0), "must be >= 0 (0 is greedy)")
+
 
 @dataclasses.dataclass(frozen=True)
 class RetentionPolicyConfig(InferencePolicyConfig):
@@ -406,6 +417,10 @@ class RetentionRun(Section):
   mesh: MeshConfig = MeshConfig()
   policy: RetentionPolicyConfig = RetentionPolicyConfig()
   retention: RetentionConfig = RetentionConfig()
+
+  def check(self, p: Problems) -> None:
+    p.given("workdir", "--config.workdir=DIR")
+    p.nested(self.policy, "policy").given("checkpoint", "--config.policy.checkpoint=DIR")
 
 
 # ml-collections configs from the typed defaults, and back.

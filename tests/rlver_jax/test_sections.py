@@ -90,3 +90,18 @@ def test_the_builder_passes_the_rollout_section_with_only_its_prompt_resolved():
   assert rollout.system_prompt == "You are a caring listener."
   thinking = builder.train_rollout_config(sections.train_run(demo.get_config("think")))
   assert thinking.system_prompt not in ("", "rlver")  # the preset's text
+
+
+def test_a_retention_run_names_every_missing_input_and_a_bad_task_at_once():
+  config = retention.get_config()
+  config.retention.task = "gsm8k"
+  with pytest.raises(UserInputError) as raised:
+    sections.retention_run(config)
+  message = str(raised.value)
+  for expected in ("workdir is not set", "policy.checkpoint is not set",
+                   "retention.data is not set", "retention.task='gsm8k': expected one of "
+                   "('math', 'ifeval')"):
+    assert expected in message
+  config.workdir, config.policy.checkpoint = "/tmp/w", "/ckpt"
+  config.retention.task, config.retention.data = "math", "items.jsonl"
+  assert sections.retention_run(config).retention.data == "items.jsonl"
