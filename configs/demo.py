@@ -42,7 +42,6 @@ def get_config(arg: str = ""):
   c.data.train_profiles = profiles.DEMO_PROFILES
   c.sim_user.backend = "scripted"
   c.sim_user.language = "en"
-  c.sim_user.rules = "rlver_train"
   # The paper's challenging simulator: no hints, and no warmth for encouragement.
   c.sim_user.variant = "challenging" if arg == "challenging" else "vanilla"
 
