@@ -19,7 +19,6 @@ from models.sampling import SamplingParams, ladder
 from rl import rollout as rollout_lib
 from rl.engine import rows_to_decode
 from rl.rollout_config import RolloutConfig
-from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError
 from sim_user.backends.scripted import ScriptedBackend
@@ -223,10 +222,8 @@ def test_row_programs_are_a_fixed_set_of_at_most_16():
 # The continuous engine against the lockstep one, on a tiny chat model and the scripted user.
 
 @pytest.fixture(scope="module")
-def chat_policy(tmp_path_factory):
-  path = str(tmp_path_factory.mktemp("engine_policy"))
-  tiny.write_checkpoint(path, seed=3)
-  policy = pretrained.load_policy(path)
+def chat_policy(tiny_checkpoint):
+  policy = pretrained.load_policy(tiny_checkpoint)
   # Larger random weights than the checkpoint's, so greedy replies do not repeat one token;
   # 40 of the 1024 tokens also end a reply, so replies end at different lengths, by stop
   # token or by budget, and dialogues at different turns.

@@ -296,7 +296,7 @@ def test_a_non_finite_update_leaves_params_and_optimizer_state_untouched():
 
 def test_trainer_stops_after_too_many_skipped_updates(monkeypatch, tmp_path):
   from rlver_jax import trainer
-  from tests.rlver_jax.test_trainer import small_demo
+  from tests.runs import small_demo
   config = small_demo(tmp_path, max_skipped_updates=1,  # 1 update a step
                       **{"optim.ppo_epochs": 1, "optim.num_minibatches": 1})
   run = trainer.Trainer(config)
@@ -448,7 +448,7 @@ def test_thinking_mini_batches_hold_a_steps_dialogue_count_of_samples():
 
 def test_a_thinking_step_makes_one_update_per_batch_size_samples(monkeypatch, tmp_path):
   from rlver_jax import trainer
-  from tests.rlver_jax.test_trainer import small_demo
+  from tests.runs import small_demo
   config = small_demo(tmp_path, **{"rollout.thinking": True, "optim.warmup_steps": 0,
                                    "optim.ppo_epochs": 1,  # one pass over the mini-batches
                                    "optim.num_minibatches": 1})

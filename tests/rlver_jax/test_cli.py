@@ -4,21 +4,14 @@ and `python -m rlver_jax.fields` lists every field of every shipped config with 
 import importlib
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 
 from models.errors import UserInputError
 from rlver_jax import cli, fields
-from tests import ROOT
+from tests.cli_run import run_module
 
 PLANTED_SECRET = "sk-PLANTED123456"
-
-
-def _run(module: str, *args: str) -> subprocess.CompletedProcess:
-  return subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, capture_output=True,
-                        text=True, timeout=120)
 
 
 def _shipped_configs() -> list[tuple[str, str]]:
@@ -33,7 +26,8 @@ def _shipped_configs() -> list[tuple[str, str]]:
 
 def test_an_override_typo_ends_in_one_line_before_any_training(tmp_path):
   workdir = tmp_path / "run"
-  result = _run("rlver_jax.main", "--config.rl.kl_coeff=0.1", f"--config.workdir={workdir}")
+  result = run_module("rlver_jax.main", "--config.rl.kl_coeff=0.1",
+                      f"--config.workdir={workdir}")
   assert result.returncode == 1
   assert result.stderr == (
       "error: no field rl.kl_coeff in configs/demo.py; did you mean rl.kl_coef?\n")
@@ -41,7 +35,7 @@ def test_an_override_typo_ends_in_one_line_before_any_training(tmp_path):
 
 
 def test_a_key_typed_into_a_missing_field_is_not_echoed():
-  result = _run("rlver_jax.main", f"--config.sim_user.api_key={PLANTED_SECRET}")
+  result = run_module("rlver_jax.main", f"--config.sim_user.api_key={PLANTED_SECRET}")
   assert result.returncode == 1
   assert "PLANTED" not in result.stdout + result.stderr
   assert result.stderr.count("\n") == 1
@@ -49,7 +43,8 @@ def test_a_key_typed_into_a_missing_field_is_not_echoed():
 
 
 def test_a_bad_value_names_the_field_and_its_type_not_the_value():
-  result = _run("rlver_jax.main", "--config=configs/ppo.py", f"--config.steps={PLANTED_SECRET}")
+  result = run_module("rlver_jax.main", "--config=configs/ppo.py",
+                      f"--config.steps={PLANTED_SECRET}")
   assert result.returncode == 1
   assert result.stderr == "error: --config.steps must be of type int\n"
 
@@ -63,7 +58,7 @@ def test_a_field_with_no_close_name_points_to_the_listing():
 
 
 def test_training_help_names_the_listing():
-  result = _run("rlver_jax.main", "--help")  # absl's --help exits with status 1
+  result = run_module("rlver_jax.main", "--help")  # absl's --help exits with status 1
   assert "python -m rlver_jax.fields" in result.stdout
 
 
@@ -77,7 +72,7 @@ def test_every_field_of_a_shipped_config_has_a_meaning(recipe, variant):
 
 
 def test_the_listing_shows_each_field_with_its_value_and_meaning():
-  result = _run("rlver_jax.fields", "--config=configs/ppo.py", "--config.steps=7")
+  result = run_module("rlver_jax.fields", "--config=configs/ppo.py", "--config.steps=7")
   assert result.returncode == 0, result.stderr
   lines = result.stdout.splitlines()
   assert re.search(r"^rl\.kl_coef +0\.0 +# weight of the KL", result.stdout, re.MULTILINE)

@@ -23,7 +23,6 @@ from sim_user.simulator import SimulatedUser
 
 DEMO = profiles.load_profiles(profiles.DEMO_PROFILES)
 TRAIN_STEPS = 40  # of the demo's 80
-WARMUP_STEPS = 150  # of the demo's 300: enough to speak, not to speak as well
 
 
 def user_for(variant="vanilla"):
@@ -135,8 +134,10 @@ def test_the_challenging_user_neither_hints_nor_warms_to_encouragement():
   assert play(profile, lambda turn: fitting_reply(profile), "challenging").emotion == 100
 
 
-def train_demo(workdir, steps):
-  """The README's main command (shortened to `steps`); its metrics and replies table."""
+def train_demo(workdir, steps, with_demo_init_policy):
+  """The README's main command (shortened to `steps`); its metrics and replies table. It starts
+  from the session's copy of the demo's warmed-up policy, the one it would write itself."""
+  with_demo_init_policy(workdir)
   config = demo.get_config()
   config.workdir = str(workdir)
   config.steps = steps
@@ -175,23 +176,25 @@ def assert_learns_intentions(records, replies, *, rise, success, learned_at_leas
         intention, replies[intention])
 
 
-def test_the_demo_learns_whom_to_offer_which_support(tmp_path):
-  """Shortened: success and the emotion of several intentions rise, each served its own way."""
-  records, replies = train_demo(tmp_path, TRAIN_STEPS)
+def test_the_demo_learns_whom_to_offer_which_support(tmp_path, with_demo_init_policy):
+  """Shortened: success and the emotion of several intentions rise, each served its own way.
+
+  About 3 minutes on 2 cores: 40 RL steps are the fewest in which the demo learns several
+  intentions over its seed noise (its warm-up is the session's, shared)."""
+  records, replies = train_demo(tmp_path, TRAIN_STEPS, with_demo_init_policy)
   assert_learns_intentions(records, replies, rise=30, success=40, learned_at_least=4)
 
 
 @pytest.mark.slow
-def test_the_whole_demo_reaches_the_issues_targets(tmp_path):
+def test_the_whole_demo_reaches_the_issues_targets(tmp_path, with_demo_init_policy):
   """The README's main command as shipped: mean final emotion up by 30 or more, success above
   50% by its end, and most intentions served each their own way."""
-  records, replies = train_demo(tmp_path, demo.get_config().steps)
+  records, replies = train_demo(tmp_path, demo.get_config().steps, with_demo_init_policy)
   assert_learns_intentions(records, replies, rise=30, success=50, learned_at_least=5)
 
 
-def test_eval_with_a_baseline_prints_before_and_after(tmp_path, capsys):
-  checkpoint = str(tmp_path / "policy")
-  tiny.write_checkpoint(checkpoint, seed=0)
+def test_eval_with_a_baseline_prints_before_and_after(tmp_path, capsys, tiny_checkpoint):
+  checkpoint = tiny_checkpoint
   config = eval_config.get_config()
   config.policy.checkpoint = config.eval.baseline_checkpoint = checkpoint
   config.policy.dtype = "float32"
@@ -282,15 +285,10 @@ def test_the_warmup_serves_a_stated_need_as_often_as_its_helpfulness_says():
         max(small_talk.values()) < 2 * expected), small_talk
 
 
-def test_the_warmed_up_policy_speaks_every_kind_of_support_to_anyone(tmp_path):
+def test_the_warmed_up_policy_speaks_every_kind_of_support_to_anyone(demo_init_policy):
   """RLVER starts from an instruct model: the demo's starts from one that writes sentences,
   of every kind, whoever it talks to (the RL run then learns whom to give which)."""
-  checkpoint = str(tmp_path / "policy")
-  config = demo.get_config()
-  tiny.write_checkpoint(checkpoint, seed=0, warmup_steps=WARMUP_STEPS,
-                        warmup_helpfulness=config.policy.tiny_warmup_helpfulness,
-                        system_prompt=config.rollout.system_prompt)
-  policy = pretrained.load_policy(checkpoint)
+  policy = pretrained.load_policy(demo_init_policy)
   prompts = [policy.formatter.prompt_ids([{"role": "system", "content": "You are a caring listener."},
                                    {"role": "user", "content": p.first_talk}])
              for p in DEMO for _ in range(8)]

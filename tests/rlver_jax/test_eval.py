@@ -7,7 +7,6 @@ import pytest
 from configs import eval as eval_config
 from rlver_jax import eval as evaluator
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import tiny
 from rl import rollout as rollout_lib
 from models.errors import UserInputError
 from sim_user import dynamics, profiles, replay
@@ -31,12 +30,10 @@ def _write_profiles(path, cohort):
   return str(path)
 
 
-def _config(tmp_path, server, profile_file):
-  checkpoint = tmp_path / "policy"
-  tiny.write_checkpoint(str(checkpoint), seed=3)
+def _config(tmp_path, server, profile_file, checkpoint):
   config = eval_config.get_config()
   config.workdir = str(tmp_path / "eval")
-  config.policy.checkpoint = str(checkpoint)
+  config.policy.checkpoint = checkpoint
   config.policy.dtype = "float32"
   config.mesh = {"data": 1, "fsdp": 1, "tensor": 1}
   config.eval.profiles = str(profile_file)
@@ -75,13 +72,15 @@ def test_results_with_a_lone_surrogate_are_written_and_read_back(tmp_path):
   assert metrics_lib.read_appended_jsonl(str(tmp_path / "results.jsonl")) == records
 
 
-def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatch):
+def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatch,
+                                                     tiny_checkpoint):
   server = serve(["500", "malformed"])  # every prompt fails twice before it is answered
   demo = profiles.load_profiles(profiles.DEMO_PROFILES)
   cohort = _varied_demo_profiles()[:3]
   cohort.append(profiles.Profile(**{**demo[0].__dict__, "id": "broken",
                                     "player": demo[0].player + " ALWAYS_500"}))
-  config = _config(tmp_path, server, _write_profiles(tmp_path / "profiles.jsonl", cohort))
+  config = _config(tmp_path, server, _write_profiles(tmp_path / "profiles.jsonl", cohort),
+                   tiny_checkpoint)
   # 3 of 4 scored is fewer than the default eval.min_scored_share=0.9: an error, after the
   # results and summary are written.
   with pytest.raises(evaluator.EvaluationError, match=rf"scored 3 of 4 profiles.*{server.url}"):
@@ -129,10 +128,11 @@ def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatc
 
 
 def test_evaluator_resumes_after_a_kill_and_limit_runs_the_first_n(tmp_path, serve, monkeypatch,
-                                                                    caplog):
+                                                                    caplog, tiny_checkpoint):
   server = serve([])
   cohort = _varied_demo_profiles()
-  config = _config(tmp_path, server, _write_profiles(tmp_path / "profiles.jsonl", cohort))
+  config = _config(tmp_path, server, _write_profiles(tmp_path / "profiles.jsonl", cohort),
+                   tiny_checkpoint)
   config.eval.limit = 2
   ran = _count_collected(monkeypatch)
   assert evaluator.evaluate(config)["n"] == 2

@@ -2,6 +2,7 @@
 
 import io
 import json
+import shutil
 
 import pytest
 from transformers import AutoTokenizer
@@ -10,14 +11,7 @@ from models import partitioning, qwen2
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from models.sampling import SamplingParams
-from rlver_jax import generate, tiny
-
-
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-  path = tmp_path_factory.mktemp("tiny")
-  tiny.write_checkpoint(str(path), seed=1)
-  return path
+from rlver_jax import generate
 
 
 def test_tiny_checkpoint_is_a_complete_hf_directory(tiny_checkpoint):
@@ -122,10 +116,10 @@ def test_mesh_flag_parsing():
 
 
 @pytest.fixture(scope="module")
-def untemplated_checkpoint(tmp_path_factory):
+def untemplated_checkpoint(tmp_path_factory, tiny_checkpoint):
   """The tiny checkpoint with its tokenizer's chat template removed."""
   path = tmp_path_factory.mktemp("untemplated")
-  tiny.write_checkpoint(str(path), seed=1)
+  shutil.copytree(tiny_checkpoint, path, dirs_exist_ok=True)
   (path / "chat_template.jinja").unlink(missing_ok=True)
   config_file = path / "tokenizer_config.json"
   tokenizer_config = json.loads(config_file.read_text())
@@ -140,8 +134,8 @@ def test_prompts_and_token_ids_need_no_chat_template(untemplated_checkpoint, tin
   prompts = write_jsonl(tmp_path / "in.jsonl", [json.dumps({"prompt": "Tell me more"}),
                                                 json.dumps({"input_ids": [5, 6, 7]})])
   outputs = []
-  for checkpoint in (untemplated_checkpoint, tiny_checkpoint):
-    out = tmp_path / f"{checkpoint.name}.jsonl"
+  for name, checkpoint in (("untemplated", untemplated_checkpoint), ("tiny", tiny_checkpoint)):
+    out = tmp_path / f"{name}.jsonl"
     rc = generate.main(["--checkpoint", str(checkpoint), "--prompts", prompts, "--output",
                         str(out), "--max-new-tokens", "4"])
     assert rc == 0

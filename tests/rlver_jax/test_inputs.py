@@ -4,8 +4,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -15,25 +13,9 @@ from models.errors import MissingInputError, UserInputError
 from models import pretrained
 from rlver_jax import plan, retention, tiny
 from sim_user import profiles
-from tests import ROOT
+from tests.cli_run import last_line_only_error, run_main, run_module
 
 GOOD_PROFILE = {"id": "a", "player": "p", "scene": "s", "main_cha": "m", "task": "be praised"}
-
-
-def run_cli(module, *args):
-  """Runs `python -m module args` on CPU; returns (exit code, stderr)."""
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  done = subprocess.run([sys.executable, "-m", module, *args], cwd=ROOT, env=env,
-                        capture_output=True, text=True, timeout=120)
-  return done.returncode, done.stderr
-
-
-def last_line_only_error(stderr: str) -> str:
-  """The error line a CLI ends with, after checking that no traceback came before it."""
-  assert "Traceback" not in stderr, stderr[-3000:]
-  last = stderr.strip().splitlines()[-1]
-  assert last.startswith("error: "), stderr[-3000:]
-  return last
 
 
 # Profiles.
@@ -173,11 +155,10 @@ def test_a_sound_tokenizer_loads(tmp_path):
 def test_training_cli_reports_missing_tokenizer_files_in_one_line(tmp_path):
   directory = tokenizer_dir(tmp_path, 1024)
   os.remove(os.path.join(directory, "tokenizer.json"))
-  code, stderr = run_cli("rlver_jax.main", f"--config.workdir={tmp_path / 'w'}",
-                         "--config.policy.tiny_init=False", "--config.mesh.fsdp=1",
-                         f"--config.policy.checkpoint={directory}")
-  assert code == 1
-  assert last_line_only_error(stderr) == (
+  done = run_main(tmp_path / "w", "--config.policy.tiny_init=False", "--config.mesh.fsdp=1",
+                  f"--config.policy.checkpoint={directory}", timeout=120)
+  assert done.returncode == 1
+  assert last_line_only_error(done.stderr) == (
       f"error: {directory}: no tokenizer files (none of tokenizer.json, vocab.json, "
       "tokenizer.model, vocab.txt); copy them from the model the checkpoint was trained from")
 
@@ -190,9 +171,9 @@ def test_unknown_planner_model_lists_the_presets():
 
 
 def test_planner_cli_unknown_model_is_one_line():
-  code, stderr = run_cli("rlver_jax.plan", "--model=qwen9")
-  assert code == 1
-  assert last_line_only_error(stderr).startswith("error: --model=qwen9: unknown preset")
+  done = run_module("rlver_jax.plan", "--model=qwen9", timeout=120)
+  assert done.returncode == 1
+  assert last_line_only_error(done.stderr).startswith("error: --model=qwen9: unknown preset")
 
 
 def test_ifeval_item_without_its_value(tmp_path):

@@ -14,57 +14,13 @@ import pytest
 from models import host_metrics, qwen2
 from models.sampler import Sampler
 from models.sampling import SamplingParams
-from rlver_jax import metrics as metrics_lib
 from rl import updates
 from rl.rollout import Rollout
-from rlver_jax import multihost, tiny, watchdog
+from rlver_jax import multihost, watchdog
 from sim_user import profiles
 from tests import ROOT
-from tests.conftest import fake_cpu_devices
-from tests.rlver_jax.test_multiprocess import _free_port
-
-DEMO = [f"--config={ROOT}/configs/demo.py", "--config.batch_size=4",
-        "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1",
-        "--config.policy.tiny_warmup_steps=2"]
-
-
-def launch(workdir, processes: int, devices: int, *flags, heartbeat_s: int = 60,
-           program=("rlver_jax.main", *DEMO)):
-  """Starts `program` (the demo trainer) as `processes` processes of `devices` CPU devices."""
-  coordinator = f"127.0.0.1:{_free_port()}"
-  procs = []
-  for pid in range(processes):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "RLVER_HEARTBEAT_TIMEOUT_S": str(heartbeat_s),
-           "XLA_FLAGS": fake_cpu_devices(devices)}
-    if processes > 1:
-      env.update(JAX_COORDINATOR_ADDRESS=coordinator, JAX_NUM_PROCESSES=str(processes),
-                 JAX_PROCESS_ID=str(pid))
-    log = open(os.path.join(os.path.dirname(workdir), f"{os.path.basename(workdir)}.{pid}.log"),
-               "w")
-    procs.append(subprocess.Popen(
-        [sys.executable, "-m", *program, f"--config.workdir={workdir}", *flags],
-        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
-  return procs
-
-
-def wait(procs, timeout_s=600):
-  deadline = time.monotonic() + timeout_s
-  try:
-    return [p.wait(timeout=max(1, deadline - time.monotonic())) for p in procs]
-  finally:
-    for p in procs:
-      if p.poll() is None:
-        p.kill()
-
-
-def log_of(workdir, pid):
-  with open(f"{workdir}.{pid}.log") as f:
-    return f.read()
-
-
-def read_metrics(workdir):
-  return metrics_lib.read_appended_jsonl(os.path.join(workdir, "metrics.jsonl"))
-
+from tests.processes import communicate_all, distributed_envs, launch, log_of, run_all, wait
+from tests.runs import read_metrics
 
 def test_hosts_split_rows_into_contiguous_blocks():
   assert [list(multihost.block(5, i, 2)) for i in range(2)] == [[0, 1, 2], [3, 4]]
@@ -92,9 +48,8 @@ def test_two_processes_of_two_devices_match_one_of_four(tmp_path):
   # One mini-batch a step: with the demo's two, each host's half of the rows makes up the
   # mini-batches differently from one host's order (not yet made the same).
   one_update = ("--config.steps=2", "--config.optim.num_minibatches=1")
-  assert wait(launch(one, 1, 4, *one_update)) == [0], log_of(one, 0)[-3000:]
-  codes = wait(launch(two, 2, 2, *one_update))
-  assert codes == [0, 0], log_of(two, 0)[-3000:] + log_of(two, 1)[-3000:]
+  run_all(one, 1, 4, *one_update)
+  run_all(two, 2, 2, *one_update)
   a, b = read_metrics(one), read_metrics(two)
   assert [r["step"] for r in b] == [1, 2]  # one metrics file, written once
   for ra, rb in zip(a, b):
@@ -137,23 +92,20 @@ def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path, how):
   checkpointed = max(int(n) for n in os.listdir(os.path.join(workdir, "checkpoints"))
                      if n.isdigit())
 
-  codes = wait(launch(workdir, 2, 2, "--config.steps=3"))
-  assert codes == [0, 0], log_of(workdir, 0)[-3000:] + log_of(workdir, 1)[-3000:]
+  run_all(workdir, 2, 2, "--config.steps=3")
   assert f"at step {checkpointed}" in log_of(workdir, 0)
   assert [r["step"] for r in read_metrics(workdir)] == [1, 2, 3]
 
 
-def test_the_evaluator_on_two_processes_writes_the_results_of_one(tmp_path):
-  tiny.write_checkpoint(str(tmp_path / "policy"), seed=3)
+def test_the_evaluator_on_two_processes_writes_the_results_of_one(tmp_path, tiny_checkpoint):
   program = ("rlver_jax.eval", f"--config={ROOT}/configs/eval.py",
-             f"--config.policy.checkpoint={tmp_path / 'policy'}", "--config.policy.dtype=float32",
+             f"--config.policy.checkpoint={tiny_checkpoint}", "--config.policy.dtype=float32",
              f"--config.eval.profiles={profiles.DEMO_PROFILES}", "--config.eval.batch_size=5",
              "--config.eval.max_new_tokens=6", "--config.eval.temperature=1.0",
              "--config.sim_user.backend=scripted", "--config.sim_user.language=en")
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
-  assert wait(launch(one, 1, 2, program=program)) == [0], log_of(one, 0)[-3000:]
-  codes = wait(launch(two, 2, 1, program=program))
-  assert codes == [0, 0], log_of(two, 0)[-3000:] + log_of(two, 1)[-3000:]
+  run_all(one, 1, 2, program=program)
+  run_all(two, 2, 1, program=program)
   for name in ("results.jsonl", "summary.json"):
     with open(os.path.join(one, name)) as a, open(os.path.join(two, name)) as b:
       assert a.read() == b.read(), name
@@ -186,18 +138,11 @@ ONE_HOST_FAILS = textwrap.dedent("""
 
 
 def test_an_error_on_one_host_stops_the_other_naming_it():
-  coordinator = f"127.0.0.1:{_free_port()}"
   procs = [subprocess.Popen(
       [sys.executable, "-c", ONE_HOST_FAILS], cwd=ROOT, text=True, stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      env={**os.environ, "JAX_PLATFORMS": "cpu", "JAX_COORDINATOR_ADDRESS": coordinator,
-           "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid), "RLVER_HEARTBEAT_TIMEOUT_S": "20",
-           "XLA_FLAGS": fake_cpu_devices(1)}) for pid in range(2)]
-  try:
-    outputs = [p.communicate(timeout=120)[0] for p in procs]
-  finally:
-    for p in procs:
-      p.kill()
+      stderr=subprocess.STDOUT, env=env)
+      for env in distributed_envs(2, 1, RLVER_HEARTBEAT_TIMEOUT_S="20")]
+  outputs = communicate_all(procs)
   assert [p.returncode for p in procs] == [watchdog.LOST_HOST_EXIT_CODE] * 2, outputs
   assert ("process 0 of 2: process 1: stopping: process(es) [0] did not answer within 3 s; "
           "here: ValueError: no samples here") in outputs[0]

@@ -5,8 +5,6 @@ during the rollout collected ahead, resume, an error in the background, the conf
 import json
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 
@@ -21,9 +19,8 @@ from rl import advantages as advantages_lib
 from rl import forward
 from rl import rollout as rollout_lib
 from rlver_jax import off_policy, preemption, run_config, sections, trainer
-from tests import ROOT, demo_run
-from tests.rlver_jax.test_preemption import NO_ROUTINE_SAVES
-from tests.rlver_jax.test_trainer import _profiles_file, read_metrics, small_demo
+from tests import ROOT, cli_run
+from tests.runs import NO_ROUTINE_SAVES, profiles_file, read_metrics, small_demo
 
 OFF = {"rollout.off_policy_steps": 1}
 BACKGROUND = "rollout-step-"  # the name of a background rollout's thread, before its step
@@ -197,14 +194,14 @@ def test_sigterm_while_a_rollout_runs_ahead_exits_75_and_the_rerun_resumes(tmp_p
            "--config.rollout.off_policy_steps=1", "--config.sim_user.backend=openai",
            f"--config.sim_user.base_url={server.url}",
            "--config.sim_user.api_key_env=TEST_NO_KEY",
-           f"--config.data.train_profiles={_profiles_file(tmp_path / 'p.jsonl', ' VARY')}"]
+           f"--config.data.train_profiles={profiles_file(tmp_path / 'p.jsonl', ' VARY')}"]
   workdir = tmp_path / "run"
   try:
-    _, before = demo_run.preempt(flags, workdir, stop_after=2, steps=4)
+    _, before = cli_run.preempt(flags, workdir, stop_after=2, steps=4)
     finished = len(before)
     assert finished in (2, 3)
 
-    demo_run.rerun(flags)
+    cli_run.rerun(flags)
     after = read_metrics(workdir)
     assert [r["step"] for r in after] == [1, 2, 3, 4]
     assert after[:finished] == before
@@ -237,9 +234,8 @@ def test_off_policy_steps_is_0_or_1_on_one_process_and_listed(tmp_path):
   with pytest.raises(UserInputError, match=r"rollout\.off_policy_steps=1 runs in one process "
                      r"only \(this run has 2\).*--config\.rollout\.off_policy_steps=0"):
     off_policy.check_supported(1, process_count=2)
-  listing = subprocess.run([sys.executable, "-m", "rlver_jax.fields",
-                            f"--config={ROOT}/configs/ppo.py"], cwd=ROOT, capture_output=True,
-                           text=True, timeout=120, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  listing = cli_run.run_module("rlver_jax.fields", f"--config={ROOT}/configs/ppo.py",
+                               timeout=120)
   line = next(l for l in listing.stdout.splitlines() if l.startswith("rollout.off_policy_steps"))
   assert "0" in line and "updates the rollout runs ahead of training" in line
 

@@ -12,11 +12,9 @@ import pytest
 
 from rl import rollout as rollout_lib
 from rlver_jax import preemption, trainer
-from tests import ROOT, demo_run
-from tests.rlver_jax.test_multihost import launch, log_of, wait
-from tests.rlver_jax.test_trainer import read_metrics, small_demo
-
-NO_ROUTINE_SAVES = {"checkpoint.every": 0, "checkpoint.every_minutes": 0.0}  # saved at the end
+from tests import ROOT, cli_run
+from tests.processes import cpu_env, launch, log_of, run_all, wait, wait_until
+from tests.runs import NO_ROUTINE_SAVES, read_metrics, small_demo
 
 
 def _signal_self_in(monkeypatch, obj, name, signum, at_step, run):
@@ -67,14 +65,6 @@ def test_a_signal_in_an_update_finishes_the_step_and_saves_it(tmp_path, monkeypa
   assert (tmp_path / "reward_curve.png").exists()  # a stopped run's curve is up to date
 
 
-def _wait_for_steps(workdir, count, procs, timeout_s=600):
-  deadline = time.monotonic() + timeout_s
-  while len(read_metrics(workdir)) < count:
-    assert all(p.poll() is None for p in procs), "a training process ended early"
-    assert time.monotonic() < deadline, "timed out"
-    time.sleep(0.05)
-
-
 ARGS = [f"--config={ROOT}/configs/demo.py", "--config.steps=6", "--config.batch_size=4",
         "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=0",
         "--config.checkpoint.every_minutes=0", "--config.policy.tiny_warmup_steps=2"]
@@ -84,13 +74,13 @@ def test_sigterm_mid_step_saves_exits_75_and_the_rerun_resumes(tmp_path):
   (tmp_path / "export").mkdir(parents=True)  # a stale export of an earlier run
   flags = [*ARGS, "--config.mesh.fsdp=1", f"--config.workdir={tmp_path}"]
   # SIGTERM in step 3: its rollout is dropped or its update finishes.
-  out, before = demo_run.preempt(flags, tmp_path, stop_after=2, steps=6)
+  out, before = cli_run.preempt(flags, tmp_path, stop_after=2, steps=6)
   finished = len(before)
   assert [r["step"] for r in before] == list(range(1, finished + 1)) and finished in (2, 3)
   assert f"run preempted (SIGTERM) at step {finished}/6" in out
   assert "export:" not in out  # this run exported nothing
 
-  second = demo_run.rerun(flags)
+  second = cli_run.rerun(flags)
   assert f"at step {finished}" in second.stderr.split("resumed from")[1].splitlines()[0]
   after = read_metrics(tmp_path)
   assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
@@ -101,7 +91,7 @@ def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
   workdir = str(tmp_path / "run")
   procs = launch(workdir, 2, 1, *ARGS[1:], program=("rlver_jax.main", ARGS[0]))
   try:
-    _wait_for_steps(workdir, 2, procs)
+    wait_until(lambda: len(read_metrics(workdir)) >= 2, procs)
     procs[1].send_signal(signal.SIGTERM)  # one host's notice stops both
   finally:
     codes = wait(procs)
@@ -113,8 +103,7 @@ def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
   for log in logs:
     assert f"preempted: SIGTERM: stopped at step {finished}/6" in log and "Traceback" not in log
 
-  resumed = launch(workdir, 2, 1, *ARGS[1:], program=("rlver_jax.main", ARGS[0]))
-  assert wait(resumed) == [0, 0], log_of(workdir, 0)[-3000:]
+  run_all(workdir, 2, 1, *ARGS[1:], program=("rlver_jax.main", ARGS[0]))
   after = read_metrics(workdir)
   assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
   assert after[:finished] == before
@@ -123,8 +112,7 @@ def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
 def test_sigterm_during_start_up_stops_it_at_once_with_status_75(tmp_path):
   command = [sys.executable, "-m", "rlver_jax.main", f"--config.workdir={tmp_path}",
              "--config.mesh.fsdp=1"]  # the demo's whole warm-up: about a minute
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-  run = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+  run = subprocess.Popen(command, cwd=ROOT, env=cpu_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
   try:
     for line in run.stderr:

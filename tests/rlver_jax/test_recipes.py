@@ -16,8 +16,6 @@ malformed answer, before it answers) and its first back-off delay.
 import importlib
 import json
 import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +38,7 @@ from rlver_jax import metrics as metrics_lib
 from models import pretrained
 from rlver_jax import retention, tiny, trainer
 from sim_user import profiles
-from tests import ROOT
+from tests import ROOT, cli_run
 
 CONFIGS = os.path.join(ROOT, "configs")
 NOT_RECIPES = ("__init__.py",)
@@ -71,13 +69,6 @@ def shrink(config, **sizes):
       node = node[name]
     node[leaf] = value
   return config
-
-
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-  path = tmp_path_factory.mktemp("policy")
-  tiny.write_checkpoint(str(path), seed=0)
-  return str(path)
 
 
 def write_profiles(path, cohort):
@@ -213,9 +204,9 @@ def test_every_shipped_recipe_has_a_runner():
 
 
 @pytest.mark.parametrize("recipe", sorted(RUNNERS), ids=lambda r: f"{r[0]}.py:{r[1]}")
-def test_recipe_runs_as_shipped(recipe, tmp_path, checkpoint, profile_file, serve):
+def test_recipe_runs_as_shipped(recipe, tmp_path, tiny_checkpoint, profile_file, serve):
   config = load_config(*recipe)
-  RUNNERS[recipe](config, tmp_path, checkpoint, profile_file, serve)
+  RUNNERS[recipe](config, tmp_path, tiny_checkpoint, profile_file, serve)
 
 
 def test_shipped_numbers():
@@ -235,10 +226,10 @@ def test_shipped_numbers():
   assert (plain.eval.thinking, think.eval.thinking) == (False, True)
 
 
-def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(checkpoint):
+def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(tiny_checkpoint):
   """Found running the recipes: Adam's state sat on one device and step 2 recompiled."""
   mesh = partitioning.make_mesh(dict(ppo.get_config().mesh))  # fsdp over all 8 devices
-  model = qwen2.from_pretrained(checkpoint, dtype="bfloat16", param_dtype="float32", mesh=mesh,
+  model = qwen2.from_pretrained(tiny_checkpoint, dtype="bfloat16", param_dtype="float32", mesh=mesh,
                                 remat=True)
   learner = learner_lib.Learner(model, learner_lib.make_optimizer(learner_lib.AdamWConfig()),
                                 updates.policy_loss, RLConfig(), mesh)
@@ -426,13 +417,10 @@ def test_an_evaluation_that_cannot_run_fails_at_start_up(field, value, message):
 
 
 def test_the_cli_reports_a_bad_setting_in_one_line(tmp_path):
-  result = subprocess.run(
-      [sys.executable, "-m", "rlver_jax.main", f"--config={CONFIGS}/ppo.py",
-       f"--config.workdir={tmp_path}", "--config.policy.checkpoint=/ckpt/qwen",
-       "--config.data.train_profiles=/data/p.jsonl", "--config.sim_user.base_url=http://x/v1",
-       "--config.rollout.temperature=0"],
-      cwd=ROOT, env={**os.environ, "JAX_PLATFORMS": "cpu"}, capture_output=True, text=True,
-      timeout=300)
+  result = cli_run.run_main(
+      tmp_path, f"--config={CONFIGS}/ppo.py", "--config.policy.checkpoint=/ckpt/qwen",
+      "--config.data.train_profiles=/data/p.jsonl", "--config.sim_user.base_url=http://x/v1",
+      "--config.rollout.temperature=0")
   assert result.returncode != 0
   last = result.stderr.strip().splitlines()[-1]
   assert last.startswith("error: training config cannot run: rollout.temperature=0.0: must be > 0")

@@ -13,8 +13,8 @@ from flax import nnx
 
 from configs import retention as retention_config
 from models import partitioning, qwen2
-from rlver_jax import plan, retention, tiny
-from tests import ROOT
+from rlver_jax import plan, retention
+from tests import ROOT, cli_run
 
 
 @pytest.mark.parametrize("response,reference,correct", [
@@ -59,13 +59,12 @@ def test_retention_data_errors_name_the_line(tmp_path):
     ("ifeval", [{"prompt": "Say hi in lowercase.", "instructions": [{"type": "lowercase"}]},
                 {"prompt": "Write JSON.", "instructions": [{"type": "json"}]}]),
 ])
-def test_retention_cli_end_to_end(tmp_path, task, lines):
-  tiny.write_checkpoint(str(tmp_path / "policy"), seed=4)
+def test_retention_cli_end_to_end(tmp_path, task, lines, tiny_checkpoint):
   data = tmp_path / "data.jsonl"
   data.write_text("".join(json.dumps(line) + "\n" for line in lines))
   config = retention_config.get_config()
   config.workdir = str(tmp_path / "w")
-  config.policy.checkpoint = str(tmp_path / "policy")
+  config.policy.checkpoint = tiny_checkpoint
   config.policy.dtype = "float32"
   config.mesh = {"data": 1, "fsdp": 1, "tensor": 1}
   config.retention.task = task
@@ -147,12 +146,10 @@ def test_row_programs_take_rows_within_each_data_shard():
 
 
 def test_plan_cli_prints_a_verdict(tmp_path):
-  out = subprocess.run(
-      ["python", "-m", "rlver_jax.plan", "--model=qwen2.5-0.5b", "--layers=1",
-       "--mesh=data=1,fsdp=2,tensor=2", "--fake_devices=4", "--batch=4", "--seq_len=64",
-       "--device_memory_gib=16", "--sampling_layout=decode", f"--out={tmp_path / 'plan.json'}"],
-      cwd=ROOT, capture_output=True, text=True, timeout=300,
-      env={**os.environ, "XLA_FLAGS": ""})
+  out = cli_run.run_module(
+      "rlver_jax.plan", "--model=qwen2.5-0.5b", "--layers=1", "--mesh=data=1,fsdp=2,tensor=2",
+      "--fake_devices=4", "--batch=4", "--seq_len=64", "--device_memory_gib=16",
+      "--sampling_layout=decode", f"--out={tmp_path / 'plan.json'}")
   assert out.returncode == 0, out.stderr[-2000:]
   assert "verdict: fits in 16 GiB per device" in out.stdout
   result = json.loads((tmp_path / "plan.json").read_text())

@@ -7,41 +7,18 @@ import signal
 import struct
 import subprocess
 import sys
-import time
 
 import jax
 import numpy as np
 import pytest
 
-from configs import demo, ppo, grpo
+from configs import ppo, grpo
 from models.errors import UserInputError
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import run_config, trainer
 from sim_user import profiles as profiles_lib
-from tests import ROOT
-
-
-def small_demo(workdir, **overrides):
-  config = demo.get_config()
-  config.workdir = str(workdir)
-  config.steps = 3
-  config.batch_size = 4
-  config.rollout.max_new_tokens = 8
-  config.policy.tiny_warmup_steps = 2  # the warm-up itself is tested in test_demo.py
-  config.checkpoint.every = 1
-  config.mesh = {"data": 1, "fsdp": 1, "tensor": 1}
-  for key, value in overrides.items():
-    node = config
-    *parents, leaf = key.split(".")
-    for name in parents:
-      node = node[name]
-    node[leaf] = value
-  return config
-
-
-def read_metrics(workdir):
-  return metrics_lib.read_appended_jsonl(os.path.join(workdir, "metrics.jsonl"))
-
+from tests import ROOT, processes
+from tests.runs import profiles_file, read_metrics, small_demo
 
 REQUIRED_METRICS = ("step", "reward/mean", "emotion/final_mean", "success_rate", "failure_rate",
                     "turns/mean", "response_len/mean", "kl", "entropy", "clip_frac", "value_loss",
@@ -100,25 +77,17 @@ def test_grpo_and_thinking_modes_run(tmp_path):
   assert records[0]["samples"] > 4  # one sample per agent turn
 
 
-def _wait_for(condition, process, timeout_s=600):
-  deadline = time.monotonic() + timeout_s
-  while not condition():
-    assert process.poll() is None, "the training process ended early"
-    assert time.monotonic() < deadline, "timed out"
-    time.sleep(0.05)
-
-
 def test_killed_run_redoes_only_the_step_in_flight(tmp_path):
   args = [sys.executable, "-m", "rlver_jax.main", f"--config={ROOT}/configs/demo.py",
           f"--config.workdir={tmp_path}", "--config.steps=4", "--config.batch_size=4",
           "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1",
           "--config.mesh.fsdp=1", "--config.policy.tiny_warmup_steps=2"]
-  env = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+  env = processes.cpu_env()
   with open(tmp_path / "first.log", "w") as log:
     first = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log)
     try:  # SIGKILL in step 3, once step 2 is logged and its checkpoint written
-      _wait_for(lambda: (tmp_path / "checkpoints" / "2").is_dir() and
-                len(read_metrics(tmp_path)) >= 2, first)
+      processes.wait_until(lambda: (tmp_path / "checkpoints" / "2").is_dir() and
+                           len(read_metrics(tmp_path)) >= 2, [first])
     finally:
       first.kill()
       first.wait()
@@ -139,19 +108,10 @@ def test_killed_run_redoes_only_the_step_in_flight(tmp_path):
   assert after[:resumed_at] == before[:resumed_at]  # steps before the checkpoint: kept, not redone
 
 
-def _profiles_file(path, suffix):
-  """The demo profiles, each persona ending in `suffix` (the fake server's fault switch)."""
-  demo_profiles = profiles_lib.load_profiles(profiles_lib.DEMO_PROFILES)
-  path.write_text("".join(json.dumps({**p.__dict__, "player": p.player + suffix,
-                                      "cha_group": list(p.cha_group)}) + "\n"
-                          for p in demo_profiles))
-  return str(path)
-
-
 def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, serve, capsys):
   server = serve([])
   config = small_demo(tmp_path / "run", **{
-      "data.train_profiles": _profiles_file(tmp_path / "profiles.jsonl", " ALWAYS_500"),
+      "data.train_profiles": profiles_file(tmp_path / "profiles.jsonl", " ALWAYS_500"),
       "sim_user.backend": "openai", "sim_user.base_url": server.url, "sim_user.http_retries": 0,
       "sim_user.backoff_s": 0.01, "sim_user.timeout_s": 5.0, "sim_user.parse_retries": 0,
       "sim_user.max_failed_steps_in_a_row": 2})

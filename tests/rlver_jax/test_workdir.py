@@ -14,20 +14,15 @@ from configs import demo
 from models.errors import UserInputError
 from rlver_jax import run_config, sections, workdir
 from tests import ROOT
+from tests.cli_run import run_main
+from tests.processes import cpu_env
 
-ENV = {**os.environ, "XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 HOLD_LOCK = ("import sys, time\nfrom rlver_jax import workdir\n"
              "lock = workdir.RunLock.acquire(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(120)\n")
 
 
-def main(workdir_path, *flags, env=ENV, timeout=300):
-  return subprocess.run([sys.executable, "-m", "rlver_jax.main", f"--config.workdir={workdir_path}",
-                         *flags], cwd=ROOT, env=env, capture_output=True, text=True,
-                        timeout=timeout)
-
-
 def hold_lock(path):
-  holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], cwd=ROOT, env=ENV,
+  holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(path)], cwd=ROOT, env=cpu_env(),
                             stdout=subprocess.PIPE, text=True)
   assert holder.stdout.readline().strip() == "held"
   return holder
@@ -38,7 +33,7 @@ def test_a_second_run_is_refused_naming_the_holder_and_a_dead_ones_lock_is_taken
   holder = hold_lock(tmp_path)
   try:
     start = time.monotonic()
-    second = main(tmp_path, "--config.steps=1")
+    second = run_main(tmp_path, "--config.steps=1")
     seconds = time.monotonic() - start
   finally:
     holder.send_signal(signal.SIGKILL)  # as `kill -9`: the lock file stays behind
@@ -73,7 +68,7 @@ def test_a_workdir_that_cannot_be_one_is_refused_in_one_line(tmp_path):
     workdir.prepare(str(a_file / "run"))
   with pytest.raises(UserInputError, match="cannot create it: No such file or directory"):
     workdir.prepare("/proc/rlver_no_such_dir/run")  # a file system where nothing can be made
-  run = main(a_file / "run", "--config.steps=1")
+  run = run_main(a_file / "run", "--config.steps=1")
   assert run.returncode == 1 and "Traceback" not in run.stderr, run.stderr[-3000:]
   assert run.stderr.strip().splitlines()[-1] == (
       f"error: --config.workdir={a_file}/run: {a_file} is a file, so no directory can be made "
@@ -101,10 +96,11 @@ def test_no_planted_secret_in_any_output_or_file_of_a_failing_run(tmp_path):
   # A key given the documented way, and a password inside the URL, on a simulator that is down:
   # the run fails at its health check, before the demo policy's warm-up.
   down = f"http://user:{PLANTED_PASSWORD}@127.0.0.1:9/v1"
-  env = {**ENV, "RLVER_TEST_KEY": PLANTED_KEY}
-  first = main(tmp_path / "run", "--config.sim_user.backend=openai",
-               f"--config.sim_user.base_url={down}", "--config.sim_user.api_key_env=RLVER_TEST_KEY",
-               "--config.sim_user.http_retries=0", env=env)
+  env = cpu_env(RLVER_TEST_KEY=PLANTED_KEY)
+  first = run_main(tmp_path / "run", "--config.sim_user.backend=openai",
+                   f"--config.sim_user.base_url={down}",
+                   "--config.sim_user.api_key_env=RLVER_TEST_KEY",
+                   "--config.sim_user.http_retries=0", env=env)
   assert first.returncode == 1
   assert first.stderr.strip().splitlines()[-1].startswith(
       "error: the simulator at http://[REDACTED]@127.0.0.1:9/v1/chat/completions did not answer")
@@ -112,7 +108,7 @@ def test_no_planted_secret_in_any_output_or_file_of_a_failing_run(tmp_path):
   assert not (tmp_path / "run" / "init_policy").exists()  # the health check came first
   assert (tmp_path / "run" / "config.json").exists()
   # The key itself where its variable's name belongs: refused without being repeated.
-  second = main(tmp_path / "run2", f"--config.sim_user.api_key_env={PLANTED_KEY}", env=env)
+  second = run_main(tmp_path / "run2", f"--config.sim_user.api_key_env={PLANTED_KEY}", env=env)
   assert second.returncode == 1
   assert "sim_user.api_key_env must name the environment variable" in second.stderr
   for run in (first, second):
@@ -155,7 +151,8 @@ def test_an_early_failure_ends_in_its_one_line_with_no_checkpointing_traceback(t
   # under orbax's clean-up thread, which then printed "cannot schedule new futures after
   # interpreter shutdown" with a traceback, in 3-4 runs of 8 on the CI machine's kind of VM.
   for attempt in range(6):
-    run = main(tmp_path / str(attempt), "--config.data.train_profiles=/no/such/profiles.jsonl")
+    run = run_main(tmp_path / str(attempt),
+                   "--config.data.train_profiles=/no/such/profiles.jsonl")
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1] == "error: /no/such/profiles.jsonl: no such file"
     assert "Traceback" not in run.stderr and "cannot schedule" not in run.stderr, run.stderr

@@ -11,7 +11,7 @@ import pytest
 from models import qwen2
 from models.sampler import Sampler
 from models.sampling import SamplingParams
-from rlver_jax import simulator_factory, tiny
+from rlver_jax import simulator_factory
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError
 from sim_user.backends.flax_llm import FlaxLLMBackend
@@ -102,10 +102,8 @@ def test_every_dialogue_completes_or_fails_with_a_reason(serve, monkeypatch):
   assert user.metrics["sim/failed_dialogues"] == 1
 
 
-def test_flax_llm_backend_answers_every_request(tmp_path):
-  tiny.write_checkpoint(str(tmp_path), seed=2)
-  tokenizer = tiny.load_tokenizer()
-  sampler = Sampler(qwen2.from_pretrained(tmp_path),
+def test_flax_llm_backend_answers_every_request(tiny_checkpoint, tokenizer):
+  sampler = Sampler(qwen2.from_pretrained(tiny_checkpoint),
                     stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
   backend = FlaxLLMBackend(sampler, tokenizer, SamplingParams(max_new_tokens=8, temperature=1.0),
                            key=jax.random.key(0), max_batch_size=2, max_prompt_tokens=400)
@@ -121,14 +119,13 @@ def test_flax_llm_backend_answers_every_request(tmp_path):
   assert all(d.end_reason == "simulator_error" and "unparsable" in d.failure for d in dialogues)
 
 
-def test_the_flax_simulator_loads_its_checkpoint_itself(tmp_path):
-  tiny.write_checkpoint(str(tmp_path), seed=2)
-  cfg = types.SimpleNamespace(backend="flax", checkpoint=str(tmp_path), max_tokens=8,
+def test_the_flax_simulator_loads_its_checkpoint_itself(tiny_checkpoint, tokenizer):
+  cfg = types.SimpleNamespace(backend="flax", checkpoint=tiny_checkpoint, max_tokens=8,
                               temperature=0.5)
   backend = simulator_factory.make_backend(cfg, mesh=None, seed=3)
   assert isinstance(backend, FlaxLLMBackend)  # FlaxLLMBackend.from_checkpoint, through models/
   assert backend.params.max_new_tokens == 8 and backend.params.temperature == 0.5
-  assert len(backend.tokenizer) == len(tiny.load_tokenizer())
+  assert len(backend.tokenizer) == len(tokenizer)
 
 
 class DeadBackend:
