@@ -31,7 +31,8 @@ setup(
     extras_require={
         # torch is the reference for parity tests only; install the CPU wheel
         # first (see README) so pip does not pull a CUDA build.
-        "test": ["pytest", "hypothesis", "torch"],
+        # pytest-xdist: the README's test command runs the suite on two workers (`-n 2`).
+        "test": ["pytest", "pytest-xdist", "hypothesis", "torch"],
         # Pinned so pip resolves at once: unpinned, google-tunix 0.1.7's safetensors<0.8 clashes
         # with transformers>=5.13, and pip backtracks for minutes through tunix, transformers and
         # datasets down to pyarrow 3.0.0 / numpy 1.19.4, which fail to build. transformers 5.12.1

@@ -1,6 +1,6 @@
 """Test set-up: 8 fake CPU devices for sharding tests, one compilation cache for the whole
-test session (this process and every process it starts), the `fast` subset, and the set-ups
-many tests share, each built once per session."""
+test session (this process and every process it starts), the `fast` subset (every test not
+marked `heavy` or `slow`), and the set-ups many tests share, each built once per session."""
 
 import fcntl
 import os
@@ -27,12 +27,18 @@ def pytest_addoption(parser):
 def pytest_configure(config):
   config.addinivalue_line("markers", "slow: long-running; run with --run-slow")
   config.addinivalue_line(
-      "markers", "fast: the subset a developer runs after each change (`pytest -m fast`, "
-      "under 5 minutes on 2 cores); it touches every room")
+      "markers", "heavy: over 8 s on a loaded 2-core machine (a training run, a subprocess, "
+      "a deviceless compile); runs in the full suite, not in `-m fast`")
+  config.addinivalue_line(
+      "markers", "fast: set on every test neither heavy nor slow: the subset a developer "
+      "runs after each change (`pytest -n 2 -m fast tests`); it touches every room")
   _use_the_sessions_compile_cache(config)
 
 
 def pytest_collection_modifyitems(config, items):
+  for item in items:  # the fast subset: every test that is neither heavy nor slow
+    if "heavy" not in item.keywords and "slow" not in item.keywords:
+      item.add_marker(pytest.mark.fast)
   if config.getoption("--run-slow"):
     return
   skip_slow = pytest.mark.skip(reason="slow: pass --run-slow to run")

@@ -184,6 +184,7 @@ def test_kv_cache_prefill_then_decode_matches_full_forward(untied_checkpoint, mo
                                 [-1, -1, -1, 0, 1, 2, 3, 4, 5, 6])
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("remat", [True, "full", "save_dots"])
 def test_remat_gives_same_logits_and_gradients(untied_checkpoint, remat):
   path, _ = untied_checkpoint
@@ -221,6 +222,7 @@ def _compiled_gradient(config, remat, batch=2, seq=128):
   return time.perf_counter() - start, compiled
 
 
+@pytest.mark.heavy
 def test_remat_policies_trade_memory_for_recomputation():
   temp = {policy: _compiled_gradient(_small_config(4), policy, seq=256)[1].memory_analysis()
           .temp_size_in_bytes for policy in ("none", "save_dots", "full")}
@@ -236,6 +238,7 @@ def test_remat_policy_errors_name_the_field():
       model(jnp.zeros((1, 4), jnp.int32))
 
 
+@pytest.mark.heavy
 def test_compile_time_does_not_grow_with_depth():
   """Scanned layers: 28 layers compile in at most twice the time of 4 (forward + backward)."""
   _compiled_gradient(_small_config(2), "full")  # warm-up: first compile pays one-off costs
@@ -364,6 +367,7 @@ def test_error_no_safetensors(tmp_path, untied_checkpoint):
     qwen2.from_pretrained(tmp_path / "bin")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("remat", ["none", "full"])
 def test_unscanned_layers_give_the_scanned_models_logits_and_cache(remat):
   model = qwen2.init_random(_small_config(3), seed=3, remat=remat)

@@ -69,6 +69,7 @@ def decode_all(sampler, rb, rows, params, width, key=None, row_ids=None):
   return [tokens[r] for r in rows], [logprobs[r] for r in rows]
 
 
+@pytest.mark.heavy
 def test_rows_decoded_in_chunks_equal_the_batch_sampler(reference, row_sampler):
   expected = reference.generate(PROMPTS, GREEDY)
   assert [len(t) for t in expected.tokens] == [10, 10, 4, 10]
@@ -134,6 +135,7 @@ def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
   assert tokens == expected.tokens
 
 
+@pytest.mark.heavy
 def test_rows_spread_unevenly_over_data_shards_equal_the_batch_sampler(model, reference):
   # 8 rows over 4 data shards (2 each): a call gathers each shard's rows on that shard, padding
   # shards that hold fewer of the chosen rows than others.
@@ -173,6 +175,7 @@ def test_each_chunk_takes_as_many_rows_from_every_data_shard():
   assert rows_to_decode([2, 0, 1], two, 2, (2, 4, 8)) == [2, 0]
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("layout", ["decode", "train"])
 def test_bf16_sampling_weights_refresh_without_recompiling(model, layout):
   mesh = partitioning.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
@@ -256,6 +259,7 @@ def assert_same_rollouts(lockstep, continuous):
     np.testing.assert_allclose(b.logprobs, a.logprobs, atol=1e-5)
 
 
+@pytest.mark.heavy
 def test_continuous_dialogues_equal_lockstep_turn_for_turn(chat_policy):
   # GRPO groups of 2, per-turn rewards, dialogues ending at different turns: the demo user
   # drops 10-15 points per reply of this random policy (goodbye at 5 after the second, or
@@ -270,6 +274,7 @@ def test_continuous_dialogues_equal_lockstep_turn_for_turn(chat_policy):
   assert lockstep.metrics["rollout/slot_efficiency"] < 1.0
 
 
+@pytest.mark.heavy
 def test_continuous_thinking_turns_equal_lockstep(chat_policy):
   lockstep, continuous = both_engines(chat_policy, thinking=True, max_dialogue_tokens=16)
   assert_same_rollouts(lockstep, continuous)
@@ -353,6 +358,7 @@ def compiled_during(fn):
     COMPILED.pop()
 
 
+@pytest.mark.heavy
 def test_the_engine_compiles_its_fixed_program_set_once_whatever_the_order(chat_policy):
   chat, formatter, demo = chat_policy
   sampler = Sampler(nnx.merge(chat.graphdef, chat.state), stop_token_ids=chat.stop_token_ids,

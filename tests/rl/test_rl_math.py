@@ -294,7 +294,9 @@ def test_a_non_finite_update_leaves_params_and_optimizer_state_untouched():
   assert bool(ok) and not np.allclose(good_params["w"], 1.0)
 
 
+@pytest.mark.heavy
 def test_trainer_stops_after_too_many_skipped_updates(monkeypatch, tmp_path):
+  """A whole trainer (its compiles: most of its minute on 2 cores) is what decides to stop."""
   from rlver_jax import trainer
   from tests.runs import small_demo
   config = small_demo(tmp_path, max_skipped_updates=1,  # 1 update a step
@@ -312,6 +314,7 @@ def test_trainer_stops_after_too_many_skipped_updates(monkeypatch, tmp_path):
     run.run_step()
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("chunk", [4, 7, 64])
 def test_sliced_logprobs_and_entropy_equal_the_full_softmax(chunk):
   import jax
@@ -383,6 +386,7 @@ def _learner(loss_fn, cfg, tx):
   return learner.Learner(model, tx, loss_fn, cfg, metric_prefix=prefix)
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("loss_name,mode", [
     ("policy_loss", "token-mean"), ("policy_loss", "seq-mean-token-mean"),
     ("critic_loss", "token-mean")])
@@ -446,6 +450,7 @@ def test_thinking_mini_batches_hold_a_steps_dialogue_count_of_samples():
   assert chunks[2].loss_mask_bt[2:].sum() == 0  # padding rows carry no loss
 
 
+@pytest.mark.heavy
 def test_a_thinking_step_makes_one_update_per_batch_size_samples(monkeypatch, tmp_path):
   from rlver_jax import trainer
   from tests.runs import small_demo

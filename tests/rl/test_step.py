@@ -22,6 +22,7 @@ def _samples(count: int) -> list[Sample]:
                  reward=float(i % 2), group=i // 2, dialogue=i) for i in range(count)]
 
 
+@pytest.mark.heavy
 def test_a_grpo_step_trains_on_samples_alone_and_lists_the_programs_it_ran():
   mesh = partitioning.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   cfg = RLConfig(algorithm="grpo")

@@ -9,6 +9,7 @@ import uuid
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from configs import demo, eval as eval_config, retention
 from rlver_jax import sections
@@ -25,7 +26,10 @@ def test_every_config_caches_compiled_programs_per_user_by_default(monkeypatch):
   assert retention.get_config().compile_cache_dir == "/cache/home/rlver_jax/xla"
 
 
+@pytest.mark.heavy
 def test_a_second_run_compiles_its_first_step_in_under_a_quarter_of_the_time(tmp_path):
+  """Two CLI runs with a cache of their own (not the session's: the first must compile cold),
+  about a minute on 2 cores."""
   env = processes.cpu_env()
   cache = tmp_path / "xla_cache"
   compile_s = []

@@ -18,6 +18,7 @@ MODEL = qwen2.Qwen2Config(vocab_size=2048, hidden_size=512, intermediate_size=15
                           num_layers=1, num_heads=8, num_kv_heads=2)
 
 
+@pytest.mark.heavy
 def test_analytic_flops_match_xlas_count_on_loop_free_programs():
   spec = plan.PlanSpec(model=MODEL, model_name="one layer", mesh_axes={"data": 1, "fsdp": 1,
                                                                          "tensor": 1},

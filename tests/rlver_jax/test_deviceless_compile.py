@@ -54,6 +54,7 @@ def ppo_step(v5p_16):
   return plan.plan(spec, v5p_16, V5P_16.generation)
 
 
+@pytest.mark.heavy
 def test_ppo_step_compiles_for_a_two_host_tpu_slice(ppo_step):
   result = ppo_step
   assert result["device_kind"] == "TPU v5" and result["platform"] == "tpu"
@@ -99,6 +100,7 @@ def test_ppo_step_compiles_for_a_two_host_tpu_slice(ppo_step):
                                                         rel=0.05)
 
 
+@pytest.mark.heavy
 def test_grpo_step_compiles_with_one_update_program(v5p_16):
   # v6e-16: four hosts of 2x2 chips, host 0 holding device ids 0, 1, 4 and 5; its sampler
   # programs compile for one host's slice (`topology.one_host`).
@@ -138,6 +140,7 @@ def test_accelerator_types_name_their_slices(v5p_16):
       topology.parse_accelerator_type(bad)
 
 
+@pytest.mark.heavy
 def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path, v5p_16):
   # configs/ppo.py as shipped, with a tiny checkpoint's config.json for the model, a shorter
   # dialogue and a KL penalty: the accumulation programs of its grad_accum=4 are there.
@@ -163,7 +166,10 @@ def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path, v5p_16):
   assert result["programs"]["policy/gradients"]["calls"] == 4
 
 
+@pytest.mark.heavy
 def test_an_in_process_simulator_joins_the_plan(v5p_16):
+  """The planner compiles every program of a GRPO step and the simulator's for a TPU slice
+  with libtpu's deviceless compiler: about a minute on 2 cores, the compiles themselves."""
   # sim_user.backend=flax: the simulator's generate programs run on each host's devices
   # beside the sampler, and its bf16 weights stay resident.
   from configs import grpo
@@ -186,6 +192,7 @@ def test_an_in_process_simulator_joins_the_plan(v5p_16):
       p["estimated_s"] * p["calls"] for p in simulator.values())
 
 
+@pytest.mark.heavy
 def test_a_step_compiles_for_eight_h200s_with_cudnn_attention():
   try:
     h200 = topology.parse_accelerator_type("h200-8")

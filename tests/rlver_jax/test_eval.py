@@ -72,6 +72,7 @@ def test_results_with_a_lone_surrogate_are_written_and_read_back(tmp_path):
   assert metrics_lib.read_appended_jsonl(str(tmp_path / "results.jsonl")) == records
 
 
+@pytest.mark.heavy
 def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatch,
                                                      tiny_checkpoint):
   server = serve(["500", "malformed"])  # every prompt fails twice before it is answered

@@ -152,6 +152,7 @@ def test_a_sound_tokenizer_loads(tmp_path):
   assert len(tokenizer) >= pretrained.MIN_TOKENIZER_SIZE and tokenizer("hello")["input_ids"]
 
 
+@pytest.mark.heavy
 def test_training_cli_reports_missing_tokenizer_files_in_one_line(tmp_path):
   directory = tokenizer_dir(tmp_path, 1024)
   os.remove(os.path.join(directory, "tokenizer.json"))

@@ -43,7 +43,10 @@ def test_a_rows_tokens_follow_its_id_not_its_batch():
   assert other_ids.tokens != together.tokens
 
 
+@pytest.mark.heavy
 def test_two_processes_of_two_devices_match_one_of_four(tmp_path):
+  """Two whole runs, one of one process and one of two (each about a minute on 2 cores, most
+  of it JAX start-up and compiling for its own devices): the comparison is the test."""
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
   # One mini-batch a step: with the demo's two, each host's half of the rows makes up the
   # mini-batches differently from one host's order (not yet made the same).
@@ -70,8 +73,11 @@ def test_two_processes_of_two_devices_match_one_of_four(tmp_path):
 
 # SIGKILL: the lost host's sockets close; SIGSTOP: it hangs, its sockets stay open and
 # only the missing heartbeat tells (the survivor may be in a rollout, making no collective call).
+@pytest.mark.heavy
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "frozen"])
 def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path, how):
+  """Two launches of two processes (the second resumes) and a 20 s heartbeat timeout to wait
+  out: about 1.5 minutes on 2 cores."""
   workdir = str(tmp_path / "run")
   procs = launch(workdir, 2, 2, "--config.steps=3", heartbeat_s=20)
   try:
@@ -97,7 +103,10 @@ def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path, how):
   assert [r["step"] for r in read_metrics(workdir)] == [1, 2, 3]
 
 
+@pytest.mark.heavy
 def test_the_evaluator_on_two_processes_writes_the_results_of_one(tmp_path, tiny_checkpoint):
+  """Two whole evaluations of the eight demo profiles, on one process and on two: the
+  comparison is the test, and each needs its own start-up and compiles."""
   program = ("rlver_jax.eval", f"--config={ROOT}/configs/eval.py",
              f"--config.policy.checkpoint={tiny_checkpoint}", "--config.policy.dtype=float32",
              f"--config.eval.profiles={profiles.DEMO_PROFILES}", "--config.eval.batch_size=5",

@@ -64,6 +64,7 @@ def _no_background_thread() -> bool:
     (1, "", 1),  # the sampler decodes from a copy of the training weights
     (1, "bfloat16", 2),  # its own bf16 copy, on a mesh of two devices (turns on the devices)
 ])
+@pytest.mark.heavy
 def test_each_rollout_is_sampled_with_the_weights_one_update_back(
     tmp_path, monkeypatch, steps_ahead, sampling_dtype, fsdp):
   config = small_demo(tmp_path, **{"rollout.off_policy_steps": steps_ahead,
@@ -115,6 +116,7 @@ def test_each_rollout_is_sampled_with_the_weights_one_update_back(
     assert np.abs(batch.old_logprobs_bt[mask] - logprobs(trained)).max() > 1e-2
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("signal_lands_in", ["update", "wait"])
 def test_a_stop_signal_during_the_rollout_collected_ahead_loses_nothing(
     tmp_path, monkeypatch, signal_lands_in):
@@ -164,6 +166,7 @@ def test_a_stop_signal_during_the_rollout_collected_ahead_loses_nothing(
   assert again[0]["profiles"] == dropped_profiles
 
 
+@pytest.mark.heavy
 def test_an_error_in_the_background_rollout_is_raised_in_the_main_thread(tmp_path, monkeypatch):
   config = small_demo(tmp_path, **OFF)
   config.steps = 4
@@ -181,9 +184,11 @@ def test_an_error_in_the_background_rollout_is_raised_in_the_main_thread(tmp_pat
   assert _no_background_thread() and run.lock is None  # closed: the workdir is free
 
 
+@pytest.mark.heavy
 def test_sigterm_while_a_rollout_runs_ahead_exits_75_and_the_rerun_resumes(tmp_path):
   """The CLI, with an HTTP simulator slow enough that the rollout collected ahead is in
-  flight when step 2 ends."""
+  flight when step 2 ends; stopped and run again (two start-ups, a slow simulator on purpose):
+  about a minute on 2 cores."""
   server = LatencyServer([], latency_s=lambda prompt: 0.1)
   threading.Thread(target=server.serve_forever, daemon=True).start()
   flags = [f"--config={ROOT}/configs/demo.py",

@@ -31,6 +31,7 @@ def _signal_self_in(monkeypatch, obj, name, signum, at_step, run):
   monkeypatch.setattr(obj, name, with_signal)
 
 
+@pytest.mark.heavy
 def test_a_signal_in_a_rollout_drops_it_and_saves_the_step_before(tmp_path, monkeypatch):
   config = small_demo(tmp_path, **NO_ROUTINE_SAVES)
   run = trainer.Trainer(config)
@@ -54,6 +55,7 @@ def test_a_signal_in_a_rollout_drops_it_and_saves_the_step_before(tmp_path, monk
   assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
 
 
+@pytest.mark.heavy
 def test_a_signal_in_an_update_finishes_the_step_and_saves_it(tmp_path, monkeypatch):
   config = small_demo(tmp_path, **NO_ROUTINE_SAVES)
   run = trainer.Trainer(config)
@@ -70,7 +72,9 @@ ARGS = [f"--config={ROOT}/configs/demo.py", "--config.steps=6", "--config.batch_
         "--config.checkpoint.every_minutes=0", "--config.policy.tiny_warmup_steps=2"]
 
 
+@pytest.mark.heavy
 def test_sigterm_mid_step_saves_exits_75_and_the_rerun_resumes(tmp_path):
+  """The CLI stopped and run again (two start-ups, six steps in all): about a minute."""
   (tmp_path / "export").mkdir(parents=True)  # a stale export of an earlier run
   flags = [*ARGS, "--config.mesh.fsdp=1", f"--config.workdir={tmp_path}"]
   # SIGTERM in step 3: its rollout is dropped or its update finishes.
@@ -87,7 +91,10 @@ def test_sigterm_mid_step_saves_exits_75_and_the_rerun_resumes(tmp_path):
   assert after[:finished] == before  # kept, not redone
 
 
+@pytest.mark.heavy
 def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
+  """Two trainer processes (JAX start-up, gloo, compiles: about 40 s each way) run twice, the
+  second time to the end: the stop must fall between steps of a run that has more after it."""
   workdir = str(tmp_path / "run")
   procs = launch(workdir, 2, 1, *ARGS[1:], program=("rlver_jax.main", ARGS[0]))
   try:
@@ -109,6 +116,7 @@ def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
   assert after[:finished] == before
 
 
+@pytest.mark.heavy
 def test_sigterm_during_start_up_stops_it_at_once_with_status_75(tmp_path):
   command = [sys.executable, "-m", "rlver_jax.main", f"--config.workdir={tmp_path}",
              "--config.mesh.fsdp=1"]  # the demo's whole warm-up: about a minute

@@ -203,6 +203,7 @@ def test_every_shipped_recipe_has_a_runner():
       importlib.import_module(f"configs.{name}").get_config("no-such-variant")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("recipe", sorted(RUNNERS), ids=lambda r: f"{r[0]}.py:{r[1]}")
 def test_recipe_runs_as_shipped(recipe, tmp_path, tiny_checkpoint, profile_file, serve):
   config = load_config(*recipe)
@@ -226,6 +227,7 @@ def test_shipped_numbers():
   assert (plain.eval.thinking, think.eval.thinking) == (False, True)
 
 
+@pytest.mark.heavy
 def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(tiny_checkpoint):
   """Found running the recipes: Adam's state sat on one device and step 2 recompiled."""
   mesh = partitioning.make_mesh(dict(ppo.get_config().mesh))  # fsdp over all 8 devices

@@ -81,6 +81,7 @@ def test_retention_cli_end_to_end(tmp_path, task, lines, tiny_checkpoint):
       row["correct"] for row in rows)
 
 
+@pytest.mark.heavy
 def test_plan_compiles_every_program_on_eight_fake_devices():
   config = qwen2.PRESETS["qwen2.5-0.5b"]
   import dataclasses
@@ -145,6 +146,7 @@ def test_row_programs_take_rows_within_each_data_shard():
     assert not [dims for dims in gathered if str(cache_len) in dims], (call, gathered)
 
 
+@pytest.mark.heavy
 def test_plan_cli_prints_a_verdict(tmp_path):
   out = cli_run.run_module(
       "rlver_jax.plan", "--model=qwen2.5-0.5b", "--layers=1", "--mesh=data=1,fsdp=2,tensor=2",

@@ -25,6 +25,7 @@ REQUIRED_METRICS = ("step", "reward/mean", "emotion/final_mean", "success_rate",
                     "grad_norm", "time/rollout", "time/simulator", "time/train", "tokens_per_s")
 
 
+@pytest.mark.heavy
 def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, caplog, capsys):
   caplog.set_level("INFO")
   # Per-turn rewards: the untrained policy's dialogues all end at emotion 0 (final reward 0),
@@ -58,7 +59,10 @@ def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, capl
   assert "done: 3/3 steps" in printed and str(tmp_path / "export") in printed
 
 
+@pytest.mark.heavy
 def test_grpo_and_thinking_modes_run(tmp_path):
+  """Three short runs (GRPO, thinking PPO, thinking GRPO), each compiling its own program
+  set: about a minute on 2 cores."""
   config = small_demo(tmp_path / "grpo", **{"rl.algorithm": "grpo", "rl.reward": "final",
                                             "rollout.samples_per_profile": 2})
   config.steps = 2
@@ -77,6 +81,7 @@ def test_grpo_and_thinking_modes_run(tmp_path):
   assert records[0]["samples"] > 4  # one sample per agent turn
 
 
+@pytest.mark.heavy
 def test_killed_run_redoes_only_the_step_in_flight(tmp_path):
   args = [sys.executable, "-m", "rlver_jax.main", f"--config={ROOT}/configs/demo.py",
           f"--config.workdir={tmp_path}", "--config.steps=4", "--config.batch_size=4",
@@ -245,7 +250,10 @@ def test_resuming_with_a_different_config_is_refused_listing_the_fields(tmp_path
     assert json.load(f)["rl"]["algorithm"] == "ppo"
 
 
+@pytest.mark.heavy
 def test_eight_devices_match_one(tmp_path):
+  """Two runs, one on 8 fake devices: on 2 cores the 8-device run's collectives are slow
+  (over a minute); the comparison is the test."""
   one = small_demo(tmp_path / "one")
   eight = small_demo(tmp_path / "eight", mesh={"data": 2, "fsdp": 2, "tensor": 2})
   one.steps = eight.steps = 2

@@ -146,6 +146,7 @@ def test_an_evaluation_takes_the_workdir_lock_too(tmp_path):
       eval_lib.evaluate(config)
 
 
+@pytest.mark.heavy
 def test_an_early_failure_ends_in_its_one_line_with_no_checkpointing_traceback(tmp_path):
   # A failure just after the checkpoint manager starts (here: no profiles file) used to exit
   # under orbax's clean-up thread, which then printed "cannot schedule new futures after

@@ -102,6 +102,7 @@ def test_every_dialogue_completes_or_fails_with_a_reason(serve, monkeypatch):
   assert user.metrics["sim/failed_dialogues"] == 1
 
 
+@pytest.mark.heavy
 def test_flax_llm_backend_answers_every_request(tiny_checkpoint, tokenizer):
   sampler = Sampler(qwen2.from_pretrained(tiny_checkpoint),
                     stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
