@@ -35,8 +35,11 @@ case "$cmd" in
     ;;
   setup)
     archive=$(mktemp --suffix=.tgz)
+    # Local caches stay here: pytest's (the tests' compilation cache, written while a test
+    # run goes on) and hypothesis' would only grow the archive, or change as tar reads them.
     tar czf "$archive" --exclude=.venv --exclude=.venv-bench --exclude=.git \
-      --exclude=__pycache__ --exclude=bench_results -C "$(dirname "$0")" .
+      --exclude=__pycache__ --exclude=bench_results --exclude=.pytest_cache \
+      --exclude=.hypothesis -C "$(dirname "$0")" .
     tpu scp "$archive" "$TPU_NAME:~/rlver_jax.tgz" --worker=all
     rm -f "$archive"
     on_all_workers "mkdir -p ~/$REMOTE_DIR && tar xzf ~/rlver_jax.tgz -C ~/$REMOTE_DIR && \
