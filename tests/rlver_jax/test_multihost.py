@@ -22,6 +22,7 @@ from tests import ROOT
 from tests.processes import communicate_all, distributed_envs, launch, log_of, run_all, wait
 from tests.runs import read_metrics
 
+
 def test_hosts_split_rows_into_contiguous_blocks():
   assert [list(multihost.block(5, i, 2)) for i in range(2)] == [[0, 1, 2], [3, 4]]
   assert [list(multihost.block(2, i, 3)) for i in range(3)] == [[0], [1], []]
