@@ -61,8 +61,11 @@ DECODE_SHARDING_RULES: dict[str, tuple[str, ...]] = {
 # Layouts of the sampler's own copy of the weights (`Sampler(sampling_layout=...)`): "train"
 # shards it like the training weights (a decode step gathers the fsdp shards, at the copy's
 # dtype); "decode" holds it whole on every data/fsdp shard (no gather per token, but the
-# whole model in every fsdp shard's memory).
-SAMPLING_LAYOUTS = {"train": SHARDING_RULES, "decode": DECODE_SHARDING_RULES}
+# whole model in every fsdp shard's memory); "tensor" splits it by heads over a sampler mesh
+# of tensor parallelism up to the kv heads, data-parallel beyond
+# (`models/slice_meshes.py:sampler_axes`, which gives each layout its mesh).
+SAMPLING_LAYOUTS = {"train": SHARDING_RULES, "decode": DECODE_SHARDING_RULES,
+                    "tensor": DECODE_SHARDING_RULES}
 
 
 def logical_to_spec(logical_axes: Iterable[str | None], shape: Sequence[int],
@@ -162,10 +165,14 @@ def place_batch(batch, mesh: Mesh | None):
 
 
 def place(value, logical_axes, mesh: Mesh | None) -> jax.Array:
-  """One host or device array on `mesh` by its logical axes (() replicates a scalar)."""
+  """One host or device array on `mesh` by its logical axes (() replicates a scalar); a host
+  value on a mesh of several processes is one that each of them holds alike."""
   if mesh is None:
     return jnp.asarray(value)
-  return jax.device_put(value, named_sharding(logical_axes, np.shape(value), mesh))
+  sharding = named_sharding(logical_axes, np.shape(value), mesh)
+  if isinstance(value, jax.Array):
+    return jax.device_put(value, sharding)
+  return put_host_value(value, sharding)
 
 
 def place_checkpoint_tensor(logical_axes, shape, dtype,
@@ -214,7 +221,7 @@ def put_host_value(value, sharding: NamedSharding) -> jax.Array:
   Each process fills only its own devices' shards; unlike `jax.device_put`,
   no all-gather checks that the processes agree.
   """
-  if jax.process_count() == 1:
+  if sharding.is_fully_addressable:
     return jax.device_put(value, sharding)
   value = np.asarray(value)
   return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
@@ -296,22 +303,23 @@ def parse_mesh(spec: str) -> dict[str, int] | None:
   return axes
 
 
-def per_host_axes(axes: Mapping[str, int], hosts: int) -> dict[str, int]:
-  """The axes of one host's own mesh for a run whose mesh `axes` span `hosts` hosts: a -1
-  axis takes the host's remaining devices; else the batch axes (data first, then fsdp) give
-  up the factor `hosts`, as each host samples its own share of the batch."""
+def per_group_axes(axes: Mapping[str, int], groups: int) -> dict[str, int]:
+  """The axes of one group's own mesh (a host's, or a sampler group's) for a run whose mesh
+  `axes` span `groups` such groups: a -1 axis takes the group's remaining devices; else the
+  batch axes (data first, then fsdp) give up the factor `groups`, as each group samples its
+  own share of the batch."""
   axes = dict(axes)
-  if hosts == 1 or -1 in axes.values():
+  if groups == 1 or -1 in axes.values():
     return axes
-  left = hosts
+  left = groups
   for name in SHARDING_RULES["batch"]:
     factor = math.gcd(axes.get(name, 1), left)
     if factor > 1:
       axes[name] //= factor
       left //= factor
   if left != 1:
-    raise ValueError(f"mesh {axes}: its batch axes (data x fsdp) do not split over {hosts} "
-                     "hosts; give one axis as -1")
+    raise ValueError(f"mesh {axes}: its batch axes (data x fsdp) do not split over {groups} "
+                     "groups of hosts; give one axis as -1")
   return axes
 
 

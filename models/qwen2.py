@@ -705,10 +705,16 @@ def _ignorable(lm_head_in_model: bool):
   return ignorable
 
 
+def read_config(path) -> Qwen2Config:
+  """The Qwen2Config of an HF checkpoint directory (its config.json)."""
+  path = os.fspath(path)
+  return Qwen2Config.from_hf_dict(checkpoint_io.read_hf_config(path),
+                                  source=os.path.join(path, "config.json"))
+
+
 def _load(model_cls, path, dtype, param_dtype, mesh, remat, attention):
   path = os.fspath(path)
-  config = Qwen2Config.from_hf_dict(checkpoint_io.read_hf_config(path),
-                                    source=os.path.join(path, "config.json"))
+  config = read_config(path)
   dtype = jnp.dtype(dtype)
   param_dtype = jnp.dtype(param_dtype or dtype)
   lm_head = model_cls is Qwen2 and not config.tie_word_embeddings

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, PartitionSpec
 from models import partitioning, programs, qwen2
 from models.qwen2 import KV_CACHE_AXES, KVCache
 from models.sampler_base import abstract_cache, decode_loop
-from models.sampling import MIN_CACHE_BUCKET, SamplingParams, ladder, sampler_fn
+from models.sampling import MIN_CACHE_BUCKET, ladder, sampler_fn
 
 DECODE_CHUNK_STEPS = 32  # steps of one `decode_rows` call, by default
 PREFILL_CHUNK = 128  # tokens one `prefill_rows` call feeds a row; a longer feed takes several
@@ -90,12 +90,13 @@ def row_program_set(batch_rows: int, capacity: int, shards: int,
 
 
 def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: RowCall,
-                rows: int, cache_dtype, layers_as_list: bool, sampling: SamplingParams,
+                rows: int, cache_dtype, layers_as_list: bool, decode_static: dict,
                 stop_token_ids: Sequence[int] = (0,), pad_id: int = 0,
                 steps: int = DECODE_CHUNK_STEPS) -> programs.Program:
   """`call` of the row programs (`row_programs`) that decode from `params` (abstract,
   placed on `mesh`, or on one device with `mesh` None) for a `RowBatch` of `rows` rows, as
-  the sampler and the planner compile it."""
+  the sampler and the planner compile it; `decode_static`: the decode programs' sampling
+  statics (`SamplingParams.static`)."""
   cache = abstract_cache(config, mesh, rows, call.capacity, cache_dtype, layers_as_list,
                          per_row=True)
   on_rows = lambda shape, dtype: _placed(mesh, shape, dtype, ("batch",))
@@ -114,9 +115,31 @@ def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: R
   per_row = lambda: on_rows((width,), jnp.int32)  # budgets, row ids, offsets
   args = (params, cache, logits_bv, index_k, rows_k, per_row(), key_data_kd, per_row(),
           per_row(), scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32))
-  static = {"steps": steps, "slots": call.slots, **sampling.static()}
+  static = {"steps": steps, "slots": call.slots, **decode_static}
   return programs.Program(decode, args, mesh, static, resident=params,
                           work={**work, "tokens": steps})
+
+
+def empty_rows(config: qwen2.Qwen2Config, rows: int, capacity: int, cache_dtype,
+               layers_as_list: bool):
+  """An empty `RowBatch`'s device state: its per-row cache and every row's logits."""
+  cache = KVCache.init_rows(config, rows, capacity, cache_dtype, layers_as_list)
+  return cache, jnp.zeros((rows, config.vocab_size), jnp.float32)
+
+
+def empty_rows_program(config: qwen2.Qwen2Config, mesh: Mesh | None, rows: int, capacity: int,
+                       cache_dtype, layers_as_list: bool) -> programs.Program:
+  """The program that starts a `RowBatch` (no arguments), its outputs placed where the row
+  programs take them, as the sampler and the planner compile it."""
+  fn = functools.partial(empty_rows, config, rows, capacity, cache_dtype, layers_as_list)
+  if mesh is None:
+    return programs.Program(jax.jit(fn), (), mesh, work={"kind": "empty_rows"})
+  cache = abstract_cache(config, mesh, rows, capacity, cache_dtype, layers_as_list,
+                         per_row=True)
+  logits = programs.rows(mesh, (rows, config.vocab_size), jnp.float32)
+  shardings = jax.tree.map(lambda x: x.sharding, (cache, logits))
+  return programs.Program(jax.jit(fn, out_shardings=shardings), (), mesh,
+                          work={"kind": "empty_rows"})
 
 
 def key_data_shape() -> tuple[int, ...]:
@@ -246,4 +269,8 @@ def _decode_rows(graphdef, stop_token_ids, pad_id, state, cache, logits_bv, inde
       rows, row_logits_kv, budget_k <= 0, budget_k, row_keys_k, offset_k, stop_after_finished,
       steps=steps)
   cache, logits_bv = _scatter_rows(cache, logits_bv, index_k, rows_k, rows, row_logits_kv)
-  return tokens_kn, logprobs_kn, counts_k, stopped_k, step, cache, logits_bv
+  # What the host reads, whole on every chip: a sampler group's leader reads it from its own
+  # chips, which hold only their rows of the cache (`models/group_channel.py`).
+  whole = lambda x: partitioning.constrain(x, (None,) * x.ndim)
+  return (whole(tokens_kn), whole(logprobs_kn), whole(counts_k), whole(stopped_k), step, cache,
+          logits_bv)

@@ -24,22 +24,22 @@ capacity is fixed when the rows start; a call takes one of three widths
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import math
 import time
 from typing import Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from models import partitioning, programs, qwen2, row_programs
+from models import group_channel, partitioning, qwen2, row_programs
 from models.qwen2 import KVCache
 from models.row_programs import (DECODE_CHUNK_STEPS, PREFILL_CHUNK, RowCall,
                                  attended_slot_levels, key_data_shape, row_program, row_widths)
-from models.sampler_base import SamplerBase, abstract_cache
+from models.sampler_base import SamplerBase
 from models.sampling import MIN_CACHE_BUCKET, SamplingParams, bucket_size
 @dataclasses.dataclass
 class RowBatch:
@@ -134,7 +134,13 @@ class RowChunk:
 
 class RowSampler(SamplerBase):
   """Samples dialogues one row at a time (`start_rows`, `prefill_rows`, `decode_rows`,
-  `compile_rows`)."""
+  `compile_rows`).
+
+  In a sampler group of several hosts (`self.group`), the leader calls these and every
+  other host `follow`s: each of the leader's device programs (the empty rows, a cache grown,
+  a prefill or decode chunk) is announced with its host inputs first, and the followers
+  dispatch it alike (`models/group_channel.py`). `leading()` brackets a leader's rollout.
+  """
 
   def __init__(self, model: qwen2.Qwen2, *, decode_chunk_steps: int = DECODE_CHUNK_STEPS,
                prefill_chunk: int = PREFILL_CHUNK, **kwargs):
@@ -147,6 +153,56 @@ class RowSampler(SamplerBase):
     self._row_executables = {}  # (rows, RowCall, decode static args) -> compiled program
     self._empty_rows_programs = {}  # (rows, capacity) -> jitted empty RowBatch
 
+  # A sampler group's leader and followers.
+
+  @contextlib.contextmanager
+  def leading(self):
+    """A leader's rollout: on leaving, the followers are told it ended (also when it fails or
+    stops on a signal, so that they do not wait for it)."""
+    try:
+      yield
+    finally:
+      if self._leads():
+        with group_channel.signals_held():
+          self.group.send([_END])
+
+  def follow(self) -> None:
+    """A follower's rollout: dispatches the leader's row programs, as the leader announces
+    them, until it ends (`leading`)."""
+    rb = None
+    while True:
+      fields, payload = self.group.receive()
+      op = int(fields[0])
+      if op == _END:
+        return
+      if op == _START:
+        rb = self.start_rows(int(fields[1]), int(fields[2]))
+      elif op == _COMPILE:
+        self._compile_rows(rb, _decode_static(fields[1:4]))
+      elif op == _GROW:
+        self._fit(rb, int(fields[1]))
+      else:
+        kind = "prefill_rows" if op == _PREFILL else "decode_rows"
+        call = RowCall(kind, *(int(f) for f in fields[1:5]))
+        static = _decode_static(fields[5:8]) if op == _DECODE else {}
+        self._dispatch(rb, call, static, _unpack(payload, _input_layout(call)))
+
+  def _leads(self) -> bool:
+    return self.group is not None and self.group.is_leader
+
+  @contextlib.contextmanager
+  def _announced(self, header, payload=None):
+    """A leader's device work, announced to the followers first; no stop signal lands between
+    the message and the work (the followers would wait on a collective)."""
+    if not self._leads():
+      yield
+      return
+    with group_channel.signals_held():
+      self.group.send(header, payload)
+      yield
+
+  # Rows.
+
   def start_rows(self, num_rows: int, capacity: int = 0) -> RowBatch:
     """`num_rows` empty rows of `capacity` slots each (a bucket size).
 
@@ -158,33 +214,25 @@ class RowSampler(SamplerBase):
     shards = self.data_parallel_size()
     batch = math.lcm(num_rows, shards)
     self.row_capacity = max(self.row_capacity, bucket_size(capacity, self.min_cache_bucket))
-    cache, logits_bv = self._empty_rows(batch, self.row_capacity)()
+    with self._announced([_START, num_rows, capacity]):
+      cache, logits_bv = self._empty_rows(batch, self.row_capacity)()
     return RowBatch(cache=cache, logits_bv=logits_bv, lengths=np.zeros(batch, np.int64),
                     num_rows=num_rows, shards=shards, min_slots=self.min_cache_bucket)
 
   def _empty_rows(self, batch: int, capacity: int):
     """One jitted program making an empty row cache and logits, placed where they live."""
     if (batch, capacity) not in self._empty_rows_programs:
-      self._empty_rows_programs[batch, capacity] = self._empty_rows_program(batch, capacity)
+      self._empty_rows_programs[batch, capacity] = row_programs.empty_rows_program(
+          self.config, self.mesh, batch, capacity, self.cache_dtype,
+          self.cache_layers_as_list).fn
     return self._empty_rows_programs[batch, capacity]
-
-  def _empty_rows_program(self, batch: int, capacity: int):
-    def empty():
-      cache = KVCache.init_rows(self.config, batch, capacity, self.cache_dtype,
-                                self.cache_layers_as_list)
-      return cache, jnp.zeros((batch, self.config.vocab_size), jnp.float32)
-    if self.mesh is None:
-      return jax.jit(empty)
-    abstract = abstract_cache(self.config, self.mesh, batch, capacity, self.cache_dtype,
-                              self.cache_layers_as_list, per_row=True)
-    logits = programs.rows(self.mesh, (batch, self.config.vocab_size), jnp.float32)
-    return jax.jit(empty, out_shardings=jax.tree.map(lambda x: x.sharding, (abstract, logits)))
 
   def _fit(self, rb: RowBatch, needed: int) -> None:
     """Grows `rb`'s cache to hold `needed` tokens a row, when it does not."""
     if needed <= rb.capacity:
       return
-    rb.cache = self._grown(rb.cache, needed)
+    with self._announced([_GROW, needed]):
+      rb.cache = self._grown(rb.cache, needed)
     self.row_capacity = max(self.row_capacity, rb.capacity)
     logging.warning("a dialogue needs %d cache slots: the row cache grew to %d, and its row "
                     "programs compile again for that capacity", needed, rb.capacity)
@@ -192,34 +240,58 @@ class RowSampler(SamplerBase):
   def row_program_set(self, rb: RowBatch) -> list[RowCall]:
     """The row programs calls on `rb` run (`row_program_set`)."""
     return row_programs.row_program_set(rb.batch_size, rb.capacity, rb.shards, rb.min_slots,
-                           self.prefill_chunk)
+                                        self.prefill_chunk)
 
   def compile_rows(self, rb: RowBatch, params: SamplingParams) -> int:
     """Compiles every row program calls on `rb` with `params` can run, in parallel threads
     (XLA compiles them side by side), skipping those compiled before; returns how many it
     compiled. Calls compile what they need on their own: this only brings it forward."""
+    static = params.static()
+    with self._announced([_COMPILE, *_static_fields(static)]):
+      return self._compile_rows(rb, static)
+
+  def _compile_rows(self, rb: RowBatch, decode_static: dict) -> int:
     missing = [call for call in self.row_program_set(rb)
-               if self._row_key(rb, call, params) not in self._row_executables]
+               if self._row_key(rb, call, decode_static) not in self._row_executables]
     if missing:
       with concurrent.futures.ThreadPoolExecutor(min(len(missing), 8)) as pool:
-        list(pool.map(lambda call: self._row_executable(rb, call, params), missing))
+        list(pool.map(lambda call: self._row_executable(rb, call, decode_static), missing))
     return len(missing)
 
-  def _row_key(self, rb: RowBatch, call: RowCall, params: SamplingParams) -> tuple:
-    return (rb.batch_size, call) + (tuple(sorted(params.static().items()))
+  def _row_key(self, rb: RowBatch, call: RowCall, decode_static: dict) -> tuple:
+    return (rb.batch_size, call) + (tuple(sorted(decode_static.items()))
                                     if call.kind == "decode_rows" else ())
 
-  def _row_executable(self, rb: RowBatch, call: RowCall, params: SamplingParams):
+  def _row_executable(self, rb: RowBatch, call: RowCall, decode_static: dict):
     """The compiled program of `call` (compiled now if it is not yet)."""
-    key = self._row_key(rb, call, params)
+    key = self._row_key(rb, call, decode_static)
     if key not in self._row_executables:
+      weights = (self.weight_copy.abstract if self.weight_copy is not None
+                 else _abstract_like(self.state, self.mesh))
       with partitioning.mesh_context(self.mesh):
-        program = row_program(self.graphdef, _abstract_like(self.state, self.mesh), self.config,
-                              self.mesh, call, rb.batch_size, self.cache_dtype,
-                              self.cache_layers_as_list, params, self.stop_token_ids,
-                              self.pad_id, self.decode_chunk_steps)
+        program = row_program(self.graphdef, weights, self.config, self.mesh, call,
+                              rb.batch_size, self.cache_dtype, self.cache_layers_as_list,
+                              decode_static, self.stop_token_ids, self.pad_id,
+                              self.decode_chunk_steps)
         self._row_executables[key] = program.fn.lower(*program.args, **program.static).compile()
     return self._row_executables[key]
+
+  def _dispatch(self, rb: RowBatch, call: RowCall, decode_static: dict, inputs: list):
+    """Runs `call` on `rb` with its host `inputs` (`_input_layout`, in order), after
+    announcing it to a group's followers; a decode chunk returns its outputs (device arrays
+    whole on every chip), a prefill nothing."""
+    header = [_PREFILL if call.kind == "prefill_rows" else _DECODE, call.width, call.capacity,
+              call.slots, call.chunk, *_static_fields(decode_static)]
+    program = self._row_executable(rb, call, decode_static)
+    logical = [(("batch",) + (None,) * (np.ndim(x) - 1)) if np.ndim(x) else () for x in inputs]
+    with self._announced(header, _pack(inputs)), partitioning.mesh_context(self.mesh):
+      out = program(self.state, rb.cache, rb.logits_bv,
+                    *(self._put(x, axes) for x, axes in zip(inputs, logical)))
+    if call.kind == "prefill_rows":
+      rb.cache, rb.logits_bv = out
+      return None
+    *outputs, rb.cache, rb.logits_bv = out
+    return outputs
 
   def prefill_rows(self, rb: RowBatch, rows: Sequence[int], new_tokens: Sequence[Sequence[int]],
                    restart: bool = False) -> None:
@@ -247,14 +319,9 @@ class RowSampler(SamplerBase):
       tokens_kt[k, :len(tokens)] = tokens  # right-padded: the row's tokens stay contiguous
       mask_kt[k, :len(tokens)] = True
     restart_k = np.full(len(index), restart)
-    program = self._row_executable(rb, call, SamplingParams())
     start = time.perf_counter()
-    with partitioning.mesh_context(self.mesh):
-      rb.cache, rb.logits_bv = program(
-          self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
-          self._put(global_index, ("batch",)), self._put(tokens_kt, ("batch", None)),
-          self._put(mask_kt, ("batch", None)), self._put(restart_k, ("batch",)))
-      jax.block_until_ready(rb.logits_bv)
+    self._dispatch(rb, call, {}, [index, global_index, tokens_kt, mask_kt, restart_k])
+    jax.block_until_ready(rb.logits_bv)
     self.stats.seconds += time.perf_counter() - start
     for r, tokens in zip(rows, new_tokens):
       rb.lengths[r] += len(tokens)
@@ -297,19 +364,11 @@ class RowSampler(SamplerBase):
     key_data_kd = np.zeros((width,) + key_data_shape(), np.uint32)
     if keys is not None:
       key_data_kd[slot_of_row] = [np.asarray(jax.random.key_data(key)) for key in keys]
-    program = self._row_executable(rb, call, params)
-    with partitioning.mesh_context(self.mesh):
-      out = program(
-          self.state, rb.cache, rb.logits_bv, self._put(index, ("batch",)),
-          self._put(global_index, ("batch",)), self._put(pad(budgets), ("batch",)),
-          self._put(key_data_kd, ("batch", None)), self._put(pad(row_ids), ("batch",)),
-          self._put(pad(offsets), ("batch",)),
-          self._put(np.float32(params.temperature or 1.0), ()),
-          self._put(np.float32(params.top_p), ()),
-          self._put(np.int32(stop_after_finished or width + 1), ()))
-      tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run, rb.cache, rb.logits_bv = out
-    tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run = jax.device_get(
-        (tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run))
+    outputs = self._dispatch(rb, call, params.static(), [
+        index, global_index, pad(budgets), key_data_kd, pad(row_ids), pad(offsets),
+        np.float32(params.temperature or 1.0), np.float32(params.top_p),
+        np.int32(stop_after_finished or width + 1)])
+    tokens_kn, logprobs_kn, counts_k, stopped_k, steps_run = jax.device_get(outputs)
     # Back in the order of `rows`.
     tokens_kn, logprobs_kn, counts_k, stopped_k = (
         x[slot_of_row] for x in (tokens_kn, logprobs_kn, counts_k, stopped_k))
@@ -322,6 +381,53 @@ class RowSampler(SamplerBase):
                     logprobs=[lp[:count].tolist() for lp, count in zip(logprobs_kn, counts_k)],
                     finished=finished, stopped=[bool(stopped) for stopped in stopped_k],
                     steps=int(steps_run), width=width)
+
+
+# What a group's leader announces (`models/group_channel.py`): the op, then its fields.
+_START, _COMPILE, _GROW, _PREFILL, _DECODE, _END = range(1, 7)
+
+
+def _static_fields(decode_static: dict) -> list[int]:
+  return ([int(decode_static["greedy"]), int(decode_static["top_k"]),
+           int(decode_static["use_top_p"])] if decode_static else [])
+
+
+def _decode_static(fields) -> dict:
+  return {"greedy": bool(fields[0]), "top_k": int(fields[1]), "use_top_p": bool(fields[2])}
+
+
+def _input_layout(call: RowCall) -> list[tuple[tuple[int, ...], np.dtype]]:
+  """The shapes and dtypes of a row call's host inputs, in the order `_dispatch` takes them."""
+  w = call.width
+  if call.kind == "prefill_rows":
+    return [((w,), np.int32), ((w,), np.int32), ((w, call.chunk), np.int32),
+            ((w, call.chunk), np.bool_), ((w,), np.bool_)]
+  return ([((w,), np.int32)] * 3 + [((w,) + key_data_shape(), np.uint32)] +
+          [((w,), np.int32)] * 2 + [((), np.float32), ((), np.float32), ((), np.int32)])
+
+
+def payload_length(call: RowCall) -> int:
+  """The int32 words of a row call's announced inputs."""
+  return sum(math.prod(shape) for shape, _ in _input_layout(call))
+
+
+def _pack(inputs) -> np.ndarray:
+  """Host inputs as one int32 vector (bools widened, 32-bit words reinterpreted)."""
+  words = [np.asarray(x).astype(np.int32) if np.asarray(x).dtype == np.bool_
+           else np.ascontiguousarray(x).view(np.int32) for x in inputs]
+  return np.concatenate([w.reshape(-1) for w in words])
+
+
+def _unpack(words: np.ndarray, layout) -> list:
+  """`_pack`'s inverse for inputs of `layout`."""
+  out, at = [], 0
+  for shape, dtype in layout:
+    n = math.prod(shape)
+    chunk = words[at:at + n]
+    at += n
+    value = chunk.astype(np.bool_) if dtype == np.bool_ else chunk.view(dtype)
+    out.append(value.reshape(shape))
+  return out
 
 
 def _abstract_like(tree, mesh: Mesh | None):

@@ -22,10 +22,11 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from models import partitioning, programs, qwen2
+from models import group_channel, partitioning, programs, qwen2
 from models.qwen2 import KV_CACHE_AXES, KVCache, Qwen2
 from models.sampling import MIN_CACHE_BUCKET, DecodeStats, bucket_size
-from models.weight_copy import WeightCopy
+from models.slice_meshes import SliceMeshes
+from models.weight_copy import sampler_copy
 
 
 class SamplerBase:
@@ -38,36 +39,51 @@ class SamplerBase:
   def __init__(self, model: Qwen2, *, stop_token_ids: Sequence[int], pad_id: int = 0,
                mesh: Mesh | None = None, cache_dtype=None,
                min_cache_bucket: int = MIN_CACHE_BUCKET, sampling_dtype=None,
-               sampling_layout: str = "decode"):
+               sampling_layout: str = "decode", meshes: SliceMeshes | None = None):
     """`sampling_dtype` (opt-in, e.g. bfloat16): decode from a copy of the weights in
     that dtype (`decoding_copy`; its layers a list where `layers_as_list`), placed by the
     rules of `partitioning.SAMPLING_LAYOUTS[sampling_layout]` ("decode": split over tensor
     only, so no FSDP all-gather per token; "train": sharded like the training weights);
-    `update_weights` refreshes it in place."""
+    `update_weights` refreshes it in place.
+
+    `meshes` (training): `model` lies on `meshes.train` and the sampler decodes on
+    `meshes.sampler_mesh` (its group's; `mesh` is then ignored), from a copy moved there
+    whenever that is another mesh, also without `sampling_dtype`. A group of several hosts
+    samples as one: its leader dispatches, the others follow (`models/group_channel.py`).
+    """
     self.config = model.config
     self.graphdef, state = nnx.split(model)
     self.stop_token_ids = tuple(int(t) for t in stop_token_ids)
     self.pad_id = int(pad_id)
-    self.mesh = mesh
+    self.mesh = mesh = meshes.sampler_mesh if meshes is not None else mesh
+    self.group = (group_channel.GroupChannel(mesh, meshes.leader)
+                  if meshes is not None and len(meshes.processes(meshes.group)) > 1 else None)
     self.cache_dtype = jnp.dtype(cache_dtype or model.backbone.dtype)
     self.min_cache_bucket = min_cache_bucket
     self.sampling_dtype = None if sampling_dtype is None else jnp.dtype(sampling_dtype)
     self.stats = DecodeStats()
-    self._refresh = None
+    self.weight_copy = sampler_copy(self.graphdef, state, self.sampling_dtype, sampling_layout,
+                                    meshes, mesh)
     # The cache follows the layers it is decoded with: one array per layer for a list.
     self.cache_layers_as_list = isinstance(model.backbone.layers, nnx.List)
-    if self.sampling_dtype is not None:
-      copy = WeightCopy(self.graphdef, state, self.sampling_dtype, sampling_layout, mesh)
-      self.cache_layers_as_list = copy.as_list
-      self.graphdef, self._refresh = copy.graphdef, copy.refresh
-      self.state = copy.make(state)
+    if self.weight_copy is not None:
+      self.cache_layers_as_list = self.weight_copy.as_list
+      self.graphdef = self.weight_copy.graphdef
+      self.state = self.weight_copy.make(state)
     else:
       self.state = partitioning.place_state(state, mesh)
 
   def update_weights(self, model_or_state) -> None:
     """Uses new weights (a model or its state) without recompiling."""
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
-    self.state = state if self._refresh is None else self._refresh(self.state, state)
+    self.state = state if self.weight_copy is None else self.weight_copy.refresh(state)
+
+  def drop_weights(self) -> None:
+    """Frees the sampler's copy of the weights until the next `update_weights` (a sampler that
+    decodes from the training weights has none to free)."""
+    if self.weight_copy is not None:
+      self.weight_copy.drop()
+      self.state = None
 
   # Placement.
 

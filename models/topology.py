@@ -183,11 +183,26 @@ def slice_devices(accelerators: Slice) -> list:
   return list(description.devices)
 
 
-def one_host(accelerators: Slice) -> Slice:
-  """One host of a slice as a slice of its own: the chips a host-local program (the sampler's)
-  compiles for. (The deviceless compiler rejects a program over one host's devices of a
-  larger slice whose device ids are not 0..n-1, as v6e-16's host 0 holds 0, 1, 4 and 5.)"""
+def sub_slice(accelerators: Slice, hosts: int) -> Slice:
+  """`hosts` hosts of a slice as a slice of their own: the chips a program of one sampler
+  group compiles for. (The deviceless compiler rejects a program over some hosts' devices of
+  a larger slice whose device ids are not 0..n-1, as v6e-16's host 0 holds 0, 1, 4 and 5.)"""
+  if hosts < 1 or accelerators.hosts % hosts:
+    raise UserInputError(f"{hosts} host(s) of {accelerators.accelerator_type} "
+                         f"({accelerators.hosts} hosts): give a divisor of {accelerators.hosts}")
+  if hosts == accelerators.hosts:
+    return accelerators
   per_host = accelerators.chips_per_host
-  shape = per_host if accelerators.generation.platform == "gpu" else per_host[:len(
-      accelerators.shape)]
-  return dataclasses.replace(accelerators, shape=tuple(shape), chips_per_host=per_host)
+  chips = hosts * math.prod(per_host)
+  if accelerators.generation.platform == "gpu":
+    return dataclasses.replace(accelerators, shape=(chips,))
+  shape = _grid(chips, accelerators.generation.dims)
+  if hosts == 1:  # a host's own grid (an 8-chip v6e host is 2x4)
+    shape = per_host[:len(accelerators.shape)]
+  return dataclasses.replace(accelerators, shape=tuple(shape))
+
+
+def group_devices(accelerators: Slice):
+  """`hosts -> devices`: the chips of a sub-slice of that many hosts (`sub_slice`), which the
+  planner compiles one sampler group's programs for."""
+  return lambda hosts: slice_devices(sub_slice(accelerators, hosts))

@@ -72,6 +72,16 @@ class RLConfig(config_section.Section):
   reward: str = "final"
 
   @property
+  def uses_critic(self) -> bool:
+    """PPO learns a value model (the critic); GRPO needs none."""
+    return self.algorithm == "ppo"
+
+  @property
+  def uses_reference(self) -> bool:
+    """A KL penalty scores tokens under the frozen initial policy (the reference)."""
+    return bool(self.kl_coef)
+
+  @property
   def adv_estimator(self) -> str:
     """verl's name for the advantage estimator: gae (PPO) or grpo."""
     return {"ppo": "gae", "grpo": "grpo"}.get(self.algorithm, self.algorithm)

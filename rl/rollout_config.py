@@ -17,6 +17,7 @@ TOKEN_BUDGET = "token_budget"  # Dialogue.end_reason of a dialogue over max_dial
 ENGINES = ("continuous", "lockstep")
 SAMPLING_DTYPES = ("", "bfloat16")  # "": the sampler decodes from the training weights
 OFF_POLICY_STEPS = (0, 1)  # on-policy, or one step ahead (rlver_jax/off_policy.py)
+AUTO = "auto"  # rollout.sampler_hosts: the fewest hosts per sampler group whose plan fits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,9 +42,19 @@ class RolloutConfig(config_section.Section):
       update: "bfloat16", or "" to decode from the fp32 training weights (cast on every step).
     sampling_layout: that copy's layout: "train" shards it over fsdp like the training
       weights (a decode step gathers bf16 shards); "decode" keeps it whole on every chip of a
-      host (no gather per token, but +10.6 GiB per chip for 7B on a v5p-16). `python -m
-      rlver_jax.plan --config=... --topology=...` shows both, and which is faster where it
-      fits.
+      sampler group (no gather per token, but +10.6 GiB per chip for 7B on a v5p-16);
+      "tensor" splits it by heads over the group's chips, tensor-parallel up to the model's
+      kv heads, data-parallel beyond (no gather per token, 1/tensor of the copy per chip).
+      `python -m rlver_jax.plan --config=... --topology=...` shows each, and which is
+      fastest where it fits.
+    sampler_hosts: hosts that sample on one mesh (a sampler group): 1 (each host its own),
+      2, 4, ... (a group's lowest host runs its dialogues and the simulator calls, the
+      others dispatch the same programs; dialogues are shared over groups), or "auto": the
+      fewest whose plan fits the chips' memory (rlver_jax/plan.py; 1 where devices report
+      no memory limit, as CPUs).
+    release_sampler_weights: free the sampler's copy of the weights while the update runs and
+      make it anew before the next rollout: the update's peak memory loses the copy, each
+      step makes it from scratch instead of rewriting it in place (on-policy only).
     off_policy_steps: updates the rollout runs ahead of training: 0 (on-policy, as published)
       | 1 (step n+1's dialogues are collected, in a background thread, with the weights before
       step n's update while that update runs: faster steps, samples one update stale; the
@@ -61,6 +72,8 @@ class RolloutConfig(config_section.Section):
   engine: str = "continuous"
   sampling_dtype: str = "bfloat16"
   sampling_layout: str = "train"
+  sampler_hosts: str = "1"
+  release_sampler_weights: bool = False
   off_policy_steps: int = 0
 
   def check(self, p: config_section.Problems) -> None:
@@ -71,10 +84,22 @@ class RolloutConfig(config_section.Section):
               f"the sampler's copy of the weights: expected one of {SAMPLING_DTYPES} (empty: "
               "decode from the training weights)")
     p.one_of("sampling_layout", tuple(partitioning.SAMPLING_LAYOUTS))
+    p.require("sampler_hosts", lambda v: v == AUTO or (v.isdigit() and int(v) >= 1 and
+                                                       int(v) & (int(v) - 1) == 0),
+              f"hosts per sampler group: 1, 2, 4, ... or {AUTO!r}")
+    if self.release_sampler_weights:
+      p.require("off_policy_steps", lambda v: v == 0,
+                "rollout.release_sampler_weights frees the sampler's copy during the update, where "
+                "an off-policy rollout decodes from it: choose one")
     p.require("off_policy_steps", lambda v: v in OFF_POLICY_STEPS,
               f"expected one of {OFF_POLICY_STEPS}: 0 collects each step's dialogues with the "
               "weights it trains (on-policy), 1 collects the next step's while this step's "
               "update runs; more steps ahead are not supported")
+
+  @property
+  def groups_span_hosts(self) -> bool:
+    """Whether a sampler group may span several hosts (sampler_hosts other than 1)."""
+    return self.sampler_hosts != "1"
 
 
 def check_sampling(p: config_section.Problems, *, greedy_ok: bool) -> None:

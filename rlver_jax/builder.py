@@ -14,16 +14,18 @@ import dataclasses
 import functools
 from typing import Sequence
 
+import jax
 from absl import logging
 from jax.sharding import Mesh
 
-from models import partitioning, pretrained, qwen2
+from models import partitioning, pretrained, qwen2, slice_meshes
 from models.chat import ChatFormatter
 from models.sampler import Sampler
+from models.slice_meshes import SliceMeshes
 from rl import learner as learner_lib
 from rl import step as step_lib
 from rl import system_prompts, updates
-from rl.rollout_config import RolloutConfig
+from rl.rollout_config import AUTO, RolloutConfig
 from rlver_jax import multihost, simulator_factory
 from sim_user.simulator import SimulatedUser
 
@@ -86,51 +88,110 @@ def generation_policy(checkpoint: str, dtype: str, mesh_axes: dict | None,
                                 require_chat_template=require_chat_template)
 
 
+def hosts_per_group(config, policy_path: str) -> int:
+  """`rollout.sampler_hosts` as a number: "auto" is the fewest hosts per sampler group whose
+  plan of this run fits the chips' memory (`rlver_jax.plan.fewest_sampler_hosts`), 1 on
+  devices that report no memory limit (CPUs)."""
+  hosts = jax.process_count()
+  if config.rollout.sampler_hosts != AUTO:
+    return int(config.rollout.sampler_hosts)
+  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  if not limit or hosts == 1:
+    return 1
+  from rlver_jax import plan  # the planner builds its abstract run from this module
+  k = plan.fewest_sampler_hosts(config, policy_path, jax.devices(), limit / 2**30)
+  logging.info("rollout.sampler_hosts='auto': %d host(s) per sampler group (the fewest whose "
+               "plan fits %.1f GiB per chip)", k, limit / 2**30)
+  return k
+
+
+def run_meshes(config, kv_heads: int, hosts_per_group: int, devices=None,
+               process: int | None = None) -> SliceMeshes:
+  """The training run's meshes (`models/slice_meshes.py`): training over every device of
+  `devices` (default: all), sampling on groups of `hosts_per_group` hosts in
+  `rollout.sampling_layout` (a model of `kv_heads` kv heads). The one place the trainer and
+  the planner make them; `process` (default: this one) picks the sampler group."""
+  devices = list(jax.devices() if devices is None else devices)
+  train_axes = dataclasses.asdict(config.mesh)
+  groups = len({d.process_index for d in devices}) // hosts_per_group
+  axes = slice_meshes.sampler_axes(config.rollout.sampling_layout, train_axes, max(groups, 1),
+                                   len(devices) // max(groups, 1), kv_heads)
+  return slice_meshes.slice_meshes(train_axes, axes, hosts_per_group, devices, process)
+
+
 @dataclasses.dataclass
-class TrainingModels:
-  """What a training run learns with and samples from."""
-  tokenizer: object
-  formatter: ChatFormatter
+class Learners:
+  """The learners a training step updates or reads (`rl.step.AlgorithmStep`)."""
   policy: learner_lib.Learner
   policy_optim: learner_lib.AdamWConfig
   critic: learner_lib.Learner | None  # PPO only
   critic_optim: learner_lib.AdamWConfig | None
   reference: learner_lib.Learner | None  # with a KL penalty only
-  sampler: Sampler  # the policy's weights on this host's local mesh
+
+
+def learners(config, make_model, mesh: Mesh, *, abstract: bool = False) -> Learners:
+  """Policy, critic (PPO: `rl.uses_critic`) and reference (a KL penalty: `rl.uses_reference`)
+  learners on `mesh`. `make_model(model_cls, role, remat)` makes each model: loaded from a
+  checkpoint (the trainer) or abstract (`nnx.eval_shape`, the planner, with `abstract`:
+  `Learner.abstract` then places abstract arrays). The reference is frozen, without remat."""
+  make = learner_lib.Learner.abstract if abstract else learner_lib.Learner
+  remat = config.policy.remat_name
+  policy_optim = optim_config(config, config.optim.actor_lr)
+  policy_loss = functools.partial(updates.policy_loss, temperature=config.rollout.temperature)
+  policy = make(make_model(qwen2.Qwen2, "policy", remat),
+                learner_lib.make_optimizer(policy_optim), policy_loss, config.rl, mesh)
+  critic = critic_optim = None
+  if config.rl.uses_critic:
+    critic_optim = optim_config(config, config.optim.critic_lr)
+    critic = make(make_model(qwen2.Qwen2Value, "critic", remat),
+                  learner_lib.make_optimizer(critic_optim), updates.critic_loss, config.rl, mesh,
+                  metric_prefix="critic_")
+  reference = None
+  if config.rl.uses_reference:
+    reference = make(make_model(qwen2.Qwen2, "reference", "none"), mesh=mesh)
+  return Learners(policy=policy, policy_optim=policy_optim, critic=critic,
+                  critic_optim=critic_optim, reference=reference)
+
+
+@dataclasses.dataclass
+class TrainingModels:
+  """What a training run learns with and samples from."""
+  tokenizer: object
+  formatter: ChatFormatter
+  learners: Learners
+  sampler: Sampler  # decodes on this host's sampler group's mesh
+
+  @property
+  def policy(self) -> learner_lib.Learner:
+    return self.learners.policy
+
+  @property
+  def critic(self) -> learner_lib.Learner | None:
+    return self.learners.critic
 
 
 def training_models(config, policy_path: str, hosts: multihost.Hosts) -> TrainingModels:
-  """Policy, critic (PPO) and reference (KL) learners on the training mesh, and the sampler;
+  """The learners on the training mesh and the sampler on this host's sampler group's mesh;
   the policy (and by default the critic) from checkpoint directory `policy_path`."""
   tokenizer = pretrained.load_tokenizer(policy_path)
-  load = dict(dtype=config.policy.dtype, param_dtype=config.policy.param_dtype,
-              mesh=hosts.train_mesh, remat=config.policy.remat_policy if config.policy.remat else "none",
-              attention=config.policy.attention)
-  model = qwen2.from_pretrained(policy_path, **load)
-  policy_optim = optim_config(config, config.optim.actor_lr)
-  policy_loss = functools.partial(updates.policy_loss, temperature=config.rollout.temperature)
-  policy = learner_lib.Learner(model, learner_lib.make_optimizer(policy_optim), policy_loss,
-                               config.rl, hosts.train_mesh)
-  critic = critic_optim = None
-  if config.rl.algorithm == "ppo":
-    value_model = qwen2.value_model_from_pretrained(config.critic.checkpoint or policy_path,
-                                                    **load)
-    critic_optim = optim_config(config, config.optim.critic_lr)
-    critic = learner_lib.Learner(value_model, learner_lib.make_optimizer(critic_optim),
-                                 updates.critic_loss, config.rl, hosts.train_mesh,
-                                 metric_prefix="critic_")
-  reference = None
-  if config.rl.kl_coef:
-    reference = learner_lib.Learner(
-        qwen2.from_pretrained(policy_path, **{**load, "remat": False}), mesh=hosts.train_mesh)
-  sampler = Sampler(hosts.local_model(model), stop_token_ids=pretrained.stop_token_ids(
-                        tokenizer, eos_token_id=model.config.eos_token_id),
-                    pad_id=tokenizer.pad_token_id or 0, mesh=hosts.local_mesh,
+  p = config.policy
+
+  def load(model_cls, role, remat):
+    path = (config.critic.checkpoint or policy_path) if role == "critic" else policy_path
+    loader = qwen2.value_model_from_pretrained if model_cls is qwen2.Qwen2Value else (
+        qwen2.from_pretrained)
+    return loader(path, dtype=p.dtype, param_dtype=p.param_dtype, mesh=hosts.train_mesh,
+                  remat=remat, attention=p.attention)
+
+  learner_set = learners(config, load, hosts.train_mesh)
+  policy = learner_set.policy.model()
+  sampler = Sampler(policy, stop_token_ids=pretrained.stop_token_ids(
+                        tokenizer, eos_token_id=policy.config.eos_token_id),
+                    pad_id=tokenizer.pad_token_id or 0, meshes=hosts.meshes,
                     sampling_dtype=config.rollout.sampling_dtype or None,
                     sampling_layout=config.rollout.sampling_layout)
-  return TrainingModels(tokenizer=tokenizer, formatter=ChatFormatter(tokenizer), policy=policy,
-                        policy_optim=policy_optim, critic=critic, critic_optim=critic_optim,
-                        reference=reference, sampler=sampler)
+  return TrainingModels(tokenizer=tokenizer, formatter=ChatFormatter(tokenizer),
+                        learners=learner_set, sampler=sampler)
 
 
 def algorithm_step(config, models: TrainingModels, hosts: multihost.Hosts,
@@ -143,10 +204,12 @@ def algorithm_step(config, models: TrainingModels, hosts: multihost.Hosts,
       ppo_epochs=o.ppo_epochs, num_minibatches=o.num_minibatches, grad_accum=o.grad_accum,
       data_parallel=hosts.train_data_parallel_size, thinking=config.rollout.thinking,
       dialogues=config.batch_size * config.rollout.samples_per_profile,
-      max_skipped_updates=config.max_skipped_updates, policy_optim=models.policy_optim,
-      critic_optim=models.critic_optim, temperature=config.rollout.temperature)
+      max_skipped_updates=config.max_skipped_updates,
+      policy_optim=models.learners.policy_optim,
+      critic_optim=models.learners.critic_optim, temperature=config.rollout.temperature)
   pad_id = models.tokenizer.pad_token_id or 0
+  learner_set = models.learners
   return step_lib.AlgorithmStep(
-      models.policy, models.critic, models.reference, config.rl, step_config,
+      learner_set.policy, learner_set.critic, learner_set.reference, config.rl, step_config,
       collate=lambda samples, batch_multiple: hosts.collate(samples, batch_multiple, pad_id),
       turns=turns)

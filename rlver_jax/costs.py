@@ -152,15 +152,12 @@ def cached_pass_cost(config, layout: Layout, rows: int, tokens: int, slots: int,
               _gather_bytes(weights, layout))
 
 
-def copy_cost(config, layout: Layout, from_bytes: int, to_bytes: int) -> Cost:
-  """The sampler's weight refresh: read the training weights, write the copy."""
-  params = matmul_params(config)
-  read = params * from_bytes / (layout.fsdp * layout.tensor)
-  written = params * to_bytes / layout.tensor / (layout.fsdp if layout.weights_fsdp_sharded
-                                                 else 1)
-  gathered = 0.0 if layout.weights_fsdp_sharded else params * to_bytes / layout.tensor * (
-      (layout.fsdp - 1) / layout.fsdp)
-  return Cost(0.0, read + written, gathered)
+def copy_cost(config, layout: Layout, copy_bytes: float, from_bytes: int) -> Cost:
+  """The sampler's weight refresh (`models/weight_copy.py`) over the training `layout`: each
+  chip reads its shards of the training weights and casts them, then receives its share of
+  the copy (`copy_bytes` a chip) from the chips that held it."""
+  read = matmul_params(config) * from_bytes / layout.chips
+  return Cost(0.0, read + copy_bytes, copy_bytes)
 
 
 def program_cost(work: dict, config, layout: Layout, *, compute_bytes: int, param_bytes: int,
@@ -183,7 +180,11 @@ def program_cost(work: dict, config, layout: Layout, *, compute_bytes: int, para
   if kind == "accumulate":
     return accumulate_cost(config, layout, param_bytes, value)
   if kind == "copy_weights":
-    return copy_cost(config, layout, param_bytes, sampling_bytes)
+    return copy_cost(config, layout, work["copy_bytes"], param_bytes)
+  if kind in ("empty_rows", "group_broadcast"):
+    # Zeroing a rollout's cache once, and a leader's announcement of a few hundred words:
+    # microseconds next to the row programs they come with; not estimated.
+    return Cost()
   if kind == "prefill_rows":
     return cached_pass_cost(config, layout, work["rows"], work["tokens"], work["slots"],
                             sampling_bytes, cache_bytes)

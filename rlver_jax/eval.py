@@ -176,7 +176,7 @@ def _evaluate(config: sections.EvalRun, config_dict) -> dict:
                                  keys.batch(config.seed, keys.EVALUATION, start),
                                  first_profile=share.start
                                  ) if share else None
-      records = multihost.gather([sage_record(d) for d in mine.dialogues] if mine else [])
+      records = multihost.gather_records([sage_record(d) for d in mine.dialogues] if mine else [])
       turn_counts.update(multihost.sum_counts({
           key: mine.metrics[f"agent_turns/{key}"] if mine else 0
           for key in ("generated", "cut_off")}))

@@ -1,15 +1,18 @@
 """Several JAX processes (hosts) running one trainer or evaluator together.
 
 Design (the one Tunix and verl follow in their own ways):
-- Rollouts are host-local. Each host runs a contiguous block of the batch's
-  profiles (`Hosts.share`, from the global profile index) with its own
-  simulator client, on a sampler whose mesh holds only this host's devices.
-  After each update the training weights are resharded onto every host's
-  local mesh in one jitted all-gather (`Hosts.local_params`), so hosts never
-  wait for each other during a dialogue and no host code reads an array that
-  spans other hosts. Sampling keys fold in the global dialogue index
-  (`rl.rollout.collect(first_profile=...)`), so the dialogues do not depend
-  on how many hosts there are.
+- Rollouts are local to a sampler group (`rollout.sampler_hosts` hosts,
+  `models/slice_meshes.py`). Each group runs a contiguous block of the batch's
+  profiles (`Hosts.share`, from the global profile index) on a sampler whose
+  mesh holds only its hosts' chips, so groups never wait for each other during
+  a dialogue. In a group of one host that host runs its dialogues with its own
+  simulator client; in a larger group its lowest host (the leader) does, and
+  the others dispatch the leader's row programs as it announces them
+  (`RowSampler.follow`). After each update the training weights are cast and
+  moved onto every group's mesh in one jitted program (`models/weight_copy.py`,
+  inside the sampler's `update_weights`). Sampling keys fold in the global
+  dialogue index (`rl.rollout.collect(first_profile=...)`), so the dialogues do
+  not depend on how many hosts or groups there are.
 - Training batches are collated on each host from its own rows with a width
   agreed by all hosts, then all-gathered (`Hosts.collate`): every host holds
   the same global numpy batch (token ids and masks, small next to the
@@ -36,12 +39,12 @@ from typing import Any, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from models import host_metrics, partitioning
 from models.sampling import bucket_size
+from models.slice_meshes import SliceMeshes
 from rl import batch as batch_lib
 from rl.batch import Sample
 from rl.rollout import Rollout
@@ -75,7 +78,7 @@ def block(num_items: int, index: int, count: int) -> range:
 
 def local_mesh(mesh_axes) -> Mesh:
   """`mesh_axes` resolved over this host's devices (all devices with one process)."""
-  return partitioning.make_mesh(partitioning.per_host_axes(mesh_axes, jax.process_count()),
+  return partitioning.make_mesh(partitioning.per_group_axes(mesh_axes, jax.process_count()),
                                 jax.local_devices())
 
 
@@ -84,7 +87,7 @@ def share_of(num_items: int) -> range:
   return block(num_items, jax.process_index(), jax.process_count())
 
 
-def gather(records: Sequence[Any]) -> list[Any]:
+def gather_records(records: Sequence[Any]) -> list[Any]:
   """Every host's JSON-serialisable records, host after host (a collective)."""
   return [record for host in allgather_json(list(records)) for record in host]
 
@@ -105,7 +108,7 @@ def gather_dialogues(dialogues: Sequence[Dialogue]) -> list[Dialogue]:
   records = [{**{f.name: getattr(d, f.name) for f in dataclasses.fields(d) if f.name != "profile"},
               "profile": dataclasses.asdict(d.profile)} for d in dialogues]
   out = []
-  for record in gather(records):
+  for record in gather_records(records):
     profile = record.pop("profile")
     profile["cha_group"] = tuple(profile["cha_group"])
     out.append(Dialogue(profile=Profile(**profile), **record))
@@ -113,68 +116,30 @@ def gather_dialogues(dialogues: Sequence[Dialogue]) -> list[Dialogue]:
 
 
 class Hosts:
-  """This process's place among the hosts, and the host-local mesh its sampler runs on.
+  """This process's place among the hosts: the run's meshes (`models/slice_meshes.py`), its
+  sampler group, and whether it leads the group (runs the group's dialogues)."""
 
-  `mesh_axes` (the run's mesh config) is resolved over this host's devices
-  for the local mesh; e.g. `{"fsdp": -1}` shards the sampler's weights over
-  the local devices.
-  """
-
-  def __init__(self, train_mesh: Mesh, mesh_axes):
+  def __init__(self, meshes: SliceMeshes):
     self.index, self.count = jax.process_index(), jax.process_count()
-    self.train_mesh = train_mesh
+    self.meshes = meshes
+    self.train_mesh = meshes.train
     self.primary = self.index == 0
+    self.leads_group = self.index == meshes.leader
     self.train_data_parallel_size = math.prod(
-        train_mesh.shape[a] for a in partitioning.mesh_axes("batch", train_mesh))
-    if self.count == 1:
-      self.local_mesh = train_mesh
-      return
-    host_axes = partitioning.per_host_axes(mesh_axes, self.count)
-    per_host = [partitioning.make_mesh(host_axes,
-                                       [d for d in jax.devices() if d.process_index == p])
-                for p in range(self.count)]
-    self.local_mesh = per_host[self.index]
-    # All devices, one slice per host laid out as that host's local mesh: a sharding
-    # replicated over "hosts" has, on each host, exactly the local mesh's shards.
-    names = ("hosts",) + tuple(self.local_mesh.axis_names)
-    self._hosts_mesh = Mesh(np.stack([m.devices for m in per_host]), names,
-                            axis_types=(AxisType.Auto,) * len(names))
-    self._gathers = {}
+        meshes.train.shape[a] for a in partitioning.mesh_axes("batch", meshes.train))
 
   def share(self, num_items: int) -> range:
-    """The global indices (profiles, dialogues) this host handles."""
-    return block(num_items, self.index, self.count)
+    """The global indices (profiles, dialogues) this host runs: its group's block if it leads
+    the group, none otherwise (the leader runs them)."""
+    block_of_group = block(num_items, self.meshes.group, self.meshes.num_groups)
+    return block_of_group if self.leads_group else range(block_of_group.start,
+                                                          block_of_group.start)
 
   def total(self, count: int) -> int:
     """`count` summed over hosts (a collective)."""
     if self.count == 1:
       return count
     return int(multihost_utils.process_allgather(np.array([count], np.int64)).sum())
-
-  # Weights.
-
-  def local_params(self, state: nnx.State) -> nnx.State:
-    """`state` (placed on the training mesh) resharded onto this host's local mesh.
-
-    One jitted all-gather over hosts, then each host keeps its own devices' shards.
-    """
-    if self.count == 1:
-      return state
-    local = partitioning.state_shardings(state, self.local_mesh)
-    replicated = jax.tree.map(lambda s: NamedSharding(self._hosts_mesh, s.spec), local)
-    key = jax.tree.structure(state)
-    if key not in self._gathers:
-      self._gathers[key] = jax.jit(lambda x: x, out_shardings=replicated)
-    gathered = self._gathers[key](state)
-    return jax.tree.map(
-        lambda array, s: jax.make_array_from_single_device_arrays(
-            array.shape, s, [shard.data for shard in array.addressable_shards]),
-        gathered, local)
-
-  def local_model(self, model: nnx.Module) -> nnx.Module:
-    """A copy of `model` whose weights live on this host's local mesh."""
-    graphdef, state = nnx.split(model)
-    return nnx.merge(graphdef, self.local_params(state))
 
   # Batches.
 

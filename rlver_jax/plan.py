@@ -55,6 +55,7 @@ if __name__ == "__main__" and int(_flag_from_argv(sys.argv, "fake_devices") or 0
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_"
                              f"device_count={_flag_from_argv(sys.argv, 'fake_devices')}").strip()
 
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
@@ -66,15 +67,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
+from jax.sharding import NamedSharding  # noqa: E402
 
-from models import attention, batch_sampler, partitioning, programs, qwen2  # noqa: E402
-from models import row_programs, topology, weight_copy  # noqa: E402
+from models import attention, batch_sampler, group_channel, partitioning, programs  # noqa: E402
+from models import qwen2, row_programs, row_sampler, topology, weight_copy  # noqa: E402
 from models.errors import UserInputError  # noqa: E402
 from models.programs import Program  # noqa: E402
 from models.sampling import MIN_CACHE_BUCKET, SamplingParams, bucket_size  # noqa: E402
-from rl import engine, learner, step, updates  # noqa: E402
-from rl.losses import RLConfig  # noqa: E402
-from rlver_jax import costs, simulator_factory  # noqa: E402
+from rl import engine, step  # noqa: E402
+from rl.rollout_config import AUTO  # noqa: E402
+from rlver_jax import builder, costs, sections, simulator_factory  # noqa: E402
 
 GIB = programs.GIB
 ROW_PROGRAM_CHOICES = ("bounding", "all")
@@ -82,30 +84,29 @@ ROW_PROGRAM_CHOICES = ("bounding", "all")
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class PlanSpec(step.StepShape):
-  """What one step runs, from flags or a recipe (`spec_from_config`): the learner programs'
-  shapes (`rl.step.StepShape`), and the models, mesh, sampler and rollout around them.
+  """What one step runs: a checked training run (`run`, from a recipe or from flags:
+  `spec_from_config`, `spec_from_flags`), whose learners and meshes the builder makes as the
+  trainer makes them, and the shapes its programs run at (`rl.step.StepShape`; `critic` and
+  `reference` follow `run.rl`).
 
-  `dialogues` is the step's dialogue count over all hosts (the rollout rows);
-  `cache_len` the slots of a dialogue's cache row (a bucket size); `prefill_chunk`
-  the tokens one prefill call feeds a row; `dialogue_tokens` the policy's tokens
-  per dialogue assumed by the time estimate.
+  `micro_batch` 0 is the trainer's: the step's `dialogues` (over all hosts) padded to a
+  multiple of the training mesh's batch shards x grad_accum x num_minibatches, split into
+  num_minibatches x grad_accum micro-batches. `cache_len` is the slots of a dialogue's
+  cache row (a bucket size); `prefill_chunk` the tokens one prefill call feeds a row;
+  `dialogue_tokens` the policy's tokens per dialogue assumed by the time estimate;
+  `sampling_layout` the run's ("": `run.rollout.sampling_layout`) or "auto": with a chip,
+  the fastest that fits; without `sampler` no sampler programs are planned.
   """
+  run: sections.TrainRun
   model: qwen2.Qwen2Config
   model_name: str
-  mesh_axes: dict
-  dtype: str = "bfloat16"
-  param_dtype: str = "float32"
-  remat: str = "full"
-  attention: str = "auto"
+  micro_batch: int = 0
   sampler: bool = True
-  sampling_dtype: str = "bfloat16"
-  sampling_layout: str = "train"
-  dialogues: int = 0  # 0: micro_batch x grad_accum
+  sampling_layout: str = ""
+  dialogues: int = 0  # 0: micro_batch x grad_accum, or without one the run's
   cache_len: int = 0  # 0: seq_len
   prefill_chunk: int = 0  # 0: the sampler's PREFILL_CHUNK
   dialogue_tokens: int = 0  # 0: cache_len // 2
-  sampling: SamplingParams = SamplingParams()
-  temperature: float = 1.0
   row_programs: str = "bounding"
   # The in-process simulator (sim_user.backend=flax): its model, None without one; each of its
   # calls generates `simulator_sampling.max_new_tokens` for up to `simulator_batch` prompts of
@@ -120,12 +121,53 @@ class PlanSpec(step.StepShape):
     if self.row_programs not in ROW_PROGRAM_CHOICES:
       raise UserInputError(f"--row_programs={self.row_programs}: expected one of "
                            f"{', '.join(ROW_PROGRAM_CHOICES)}")
+    layouts = tuple(partitioning.SAMPLING_LAYOUTS) + ("auto",)
+    layout = self.sampling_layout or self.run.rollout.sampling_layout
+    if layout not in layouts:
+      raise UserInputError(f"--sampling_layout={layout}: expected one of {layouts}")
     cache_len = self.cache_len or self.seq_len
-    object.__setattr__(self, "cache_len", cache_len)
-    object.__setattr__(self, "prefill_chunk", self.prefill_chunk or row_programs.PREFILL_CHUNK)
-    object.__setattr__(self, "dialogue_tokens", self.dialogue_tokens or cache_len // 2)
-    object.__setattr__(self, "dialogues", self.dialogues or self.micro_batch * self.grad_accum)
-    object.__setattr__(self, "remat", qwen2.remat_policy_name(self.remat))
+    set_field = functools.partial(object.__setattr__, self)
+    set_field("sampling_layout", layout)
+    set_field("critic", self.run.rl.uses_critic)
+    set_field("reference", self.run.rl.uses_reference)
+    set_field("cache_len", cache_len)
+    set_field("prefill_chunk", self.prefill_chunk or row_programs.PREFILL_CHUNK)
+    set_field("dialogue_tokens", self.dialogue_tokens or cache_len // 2)
+    set_field("dialogues", self.dialogues or self.micro_batch * self.grad_accum or
+              self.run.batch_size * self.run.rollout.samples_per_profile)
+
+  @property
+  def mesh_axes(self) -> dict:
+    return dataclasses.asdict(self.run.mesh)
+
+  @property
+  def dtype(self) -> str:
+    return self.run.policy.dtype
+
+  @property
+  def param_dtype(self) -> str:
+    return self.run.policy.param_dtype or self.run.policy.dtype
+
+  @property
+  def remat(self) -> str:
+    return self.run.policy.remat_name
+
+  @property
+  def attention(self) -> str:
+    return self.run.policy.attention
+
+  @property
+  def sampling_dtype(self) -> str:
+    return self.run.rollout.sampling_dtype
+
+  @property
+  def temperature(self) -> float:
+    return self.run.rollout.temperature
+
+  @property
+  def sampling(self) -> SamplingParams:
+    r = self.run.rollout
+    return SamplingParams(temperature=r.temperature, top_k=r.top_k, top_p=r.top_p)
 
 
 def kernels_of(hlo_text: str) -> list[str]:
@@ -145,7 +187,9 @@ def kernels_of(hlo_text: str) -> list[str]:
 
 def compile_program(program: Program) -> dict:
   """Compiles `program`; its memory (GiB per device), compile seconds, kernels and XLA's own
-  FLOP count (loop bodies counted once)."""
+  FLOP count (loop bodies counted once). `extra_gib` is what it needs beyond its `resident`
+  arguments: its other arguments, its temporaries and its outputs not aliased to donated
+  inputs."""
   with partitioning.mesh_context(program.mesh):
     lowered = program.fn.lower(*program.args, **program.static)
     start = time.perf_counter()
@@ -157,7 +201,6 @@ def compile_program(program: Program) -> dict:
   stats = compiled.memory_analysis()
   argument_gib = stats.argument_size_in_bytes / GIB
   temp_gib = stats.temp_size_in_bytes / GIB
-  # Donated inputs alias outputs: new memory = temporaries + outputs not aliased to inputs.
   new_outputs_gib = (stats.output_size_in_bytes - stats.alias_size_in_bytes) / GIB
   analysis = compiled.cost_analysis() or {}
   if isinstance(analysis, list):
@@ -165,7 +208,6 @@ def compile_program(program: Program) -> dict:
   return {"compile_s": seconds, "argument_gib": argument_gib, "temp_gib": temp_gib,
           "output_gib": stats.output_size_in_bytes / GIB,
           "peak_gib": argument_gib + temp_gib + new_outputs_gib,
-          # What this program needs beyond the resident weights and optimizer states.
           "extra_gib": argument_gib - programs.device_gib(program.resident) + temp_gib +
                        new_outputs_gib,
           "kernels": kernels_of(compiled.as_text()),
@@ -174,7 +216,8 @@ def compile_program(program: Program) -> dict:
 
 def _out_of_memory(error, program: Program, seconds: float) -> dict:
   """A program the TPU compiler refused because its temporaries exceed the chip's HBM: what it
-  said it needs, so the plan reports the program as not fitting (other errors are raised)."""
+  said it needs, so the plan reports the program as not fitting (other errors are raised).
+  Its outputs are unknown; they are counted as none."""
   needed = re.search(r"RESOURCE_EXHAUSTED: .*?temporaries \(([\d.]+)G\)", str(error))
   if not needed:
     raise error
@@ -192,14 +235,6 @@ def _layout(mesh, weights_fsdp_sharded: bool = True) -> costs.Layout:
   return costs.Layout(size("data"), size("fsdp"), size("tensor"), weights_fsdp_sharded)
 
 
-def _abstract_model(model_cls, spec: PlanSpec, mesh, remat: str):
-  with partitioning.mesh_context(mesh):
-    return nnx.eval_shape(lambda: model_cls(spec.model, dtype=jnp.dtype(spec.dtype),
-                                            param_dtype=jnp.dtype(spec.param_dtype),
-                                            remat=remat, attention=spec.attention,
-                                            rngs=nnx.Rngs(0)))
-
-
 def _row_programs_to_compile(calls: list, choice: str) -> list:
   """All row calls, or the bounding ones: the widest decode chunk and the widest, longest
   prefill at the full capacity, attending over all of it."""
@@ -210,102 +245,174 @@ def _row_programs_to_compile(calls: list, choice: str) -> list:
   return [top("prefill_rows"), top("decode_rows")]
 
 
+def _placed_on(tree, mesh):
+  """Abstract arrays of `tree` with their partition specs on `mesh` instead."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, x.sharding.spec)), tree)
+
+
+ROLLOUT, UPDATE = "rollout", "update"
+
+
+@dataclasses.dataclass
+class SamplerPlan:
+  """The sampler of one group size and layout: its programs ({name: Program}, each in a
+  phase, `phases`), the count of row programs a step may compile, the group's mesh and its
+  copy's abstract weights on it (() where it decodes from the training weights)."""
+  programs: dict
+  phases: dict
+  possible_row_programs: int
+  group_mesh: object
+  copy: object
+
+
 class _Planner:
-  """The abstract models of one step on its meshes, and the programs they run."""
+  """A run's abstract learners on its training mesh (`builder.learners`, as the trainer makes
+  them), its meshes for a sampler group size (`builder.run_meshes`), and their programs.
 
-  def __init__(self, spec: PlanSpec, devices, host_devices=None):
-    self.spec = spec
-    self.mesh = partitioning.make_mesh(spec.mesh_axes, devices)
-    self.hosts = len({d.process_index for d in self.mesh.devices.flat})
-    # The sampler runs on each host's own devices (rlver_jax/multihost.py): one host's.
-    if self.hosts > 1 and host_devices is None:
-      host_devices = [d for d in self.mesh.devices.flat if d.process_index == 0]
-    self.local_mesh = self.mesh if self.hosts == 1 else partitioning.make_mesh(
-        partitioning.per_host_axes(spec.mesh_axes, self.hosts), host_devices)
-    self.loss_cfg = RLConfig(kl_coef=1.0 if spec.reference else 0.0)
-    tx = learner.make_optimizer(learner.AdamWConfig())
-    self.policy_model = _abstract_model(qwen2.Qwen2, spec, self.mesh, spec.remat)
-    policy_loss = functools.partial(updates.policy_loss, temperature=spec.temperature)
-    self.policy = learner.Learner.abstract(self.policy_model, tx, policy_loss, self.loss_cfg,
-                                           self.mesh)
-    self.critic = self.reference = None
-    if spec.critic:
-      self.critic = learner.Learner.abstract(
-          _abstract_model(qwen2.Qwen2Value, spec, self.mesh, spec.remat), tx,
-          updates.critic_loss, self.loss_cfg, self.mesh, metric_prefix="critic_")
-    if spec.reference:  # frozen, no remat (builder.training_models)
-      self.reference = learner.Learner.abstract(
-          _abstract_model(qwen2.Qwen2, spec, self.mesh, "none"), mesh=self.mesh)
+  Programs of one sampler group compile for `group_devices(k)`: the devices of a slice of k
+  hosts (default: the first k hosts of `devices`), whose ids the deviceless TPU compiler
+  takes; the weight movement compiles over every device of `devices`."""
 
-  @property
-  def rows_per_host(self) -> int:
-    return -(-self.spec.dialogues // self.hosts)
+  def __init__(self, spec: PlanSpec, devices=None, group_devices=None):
+    self.spec, self.run = spec, spec.run
+    self.devices = list(jax.devices() if devices is None else devices)
+    self.hosts = len({d.process_index for d in self.devices})
+    self.group_devices = group_devices or self._first_hosts
+    self.configured_hosts = (None if self.run.rollout.sampler_hosts == AUTO
+                             else int(self.run.rollout.sampler_hosts))
+    self.mesh = self.meshes(self.configured_hosts or 1).train
+    self.learners = builder.learners(self.run, self._abstract_model, self.mesh, abstract=True)
+    self.shape = step.StepShape(self._micro_batch(), spec.seq_len, spec.grad_accum,
+                                spec.minibatches, spec.critic, spec.reference)
+
+  def _first_hosts(self, hosts: int) -> list:
+    first = sorted({d.process_index for d in self.devices})[:hosts]
+    return [d for d in self.devices if d.process_index in first]
+
+  def _abstract_model(self, model_cls, role: str, remat: str):
+    del role  # every role's model has the policy's shape here
+    spec = self.spec
+    with partitioning.mesh_context(self.mesh):
+      return nnx.eval_shape(lambda: model_cls(spec.model, dtype=jnp.dtype(spec.dtype),
+                                              param_dtype=jnp.dtype(spec.param_dtype),
+                                              remat=remat, attention=spec.attention,
+                                              rngs=nnx.Rngs(0)))
+
+  def _micro_batch(self) -> int:
+    """The update's micro-batch rows as the trainer pads the step's batch (`StepConfig`)."""
+    if self.spec.micro_batch:
+      return self.spec.micro_batch
+    optim = self.run.optim
+    shards = math.prod(self.mesh.shape[a] for a in partitioning.mesh_axes("batch", self.mesh))
+    split = optim.num_minibatches * optim.grad_accum
+    multiple = shards * split
+    return -(-self.spec.dialogues // multiple) * multiple // split
+
+  def meshes(self, hosts_per_group: int, layout: str | None = None):
+    """The run's meshes with sampler groups of `hosts_per_group` hosts in `layout`."""
+    run = self.run
+    if layout is not None:
+      run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout,
+                                                                 sampling_layout=layout))
+    return builder.run_meshes(run, self.spec.model.num_kv_heads, hosts_per_group,
+                              self.devices, process=0)
+
+  def group_sizes(self) -> list[int]:
+    """The sampler group sizes to compare: 1, 2 and 4 hosts where the slice splits into them
+    (1 alone with an in-process simulator, which runs beside a one-host sampler), and the
+    run's own."""
+    if self.spec.simulator is not None:
+      return [1]
+    sizes = {k for k in (1, 2, 4) if k <= self.hosts and self.hosts % k == 0}
+    return sorted(sizes | ({self.configured_hosts} if self.configured_hosts else set()))
+
+  def resident(self) -> list:
+    """What stays in memory through both phases: the learners' weights and optimizer
+    states."""
+    out = [(self.learners.policy.params, self.learners.policy.opt_state)]
+    if self.learners.critic is not None:
+      out.append((self.learners.critic.params, self.learners.critic.opt_state))
+    if self.learners.reference is not None:
+      out.append(self.learners.reference.params)
+    return out
 
   def learner_programs(self) -> dict[str, Program]:
     """What the training step of these learners runs (`rl.step.AlgorithmStep.programs`)."""
-    return step.AlgorithmStep(self.policy, self.critic, self.reference, self.loss_cfg,
+    l = self.learners
+    return step.AlgorithmStep(l.policy, l.critic, l.reference, self.run.rl,
                               step.StepConfig(temperature=self.spec.temperature)
-                              ).programs(self.spec)
+                              ).programs(self.shape)
 
-  @functools.cached_property
-  def policy_on_host(self):
-    """The policy's graphdef and its weights placed on host 0's mesh (`Hosts.local_params`),
-    abstract: what the sampler's copy is made from."""
-    graphdef, state = nnx.split(self.policy_model)
-    return graphdef, programs.abstract(state, partitioning.state_shardings(state,
-                                                                            self.local_mesh))
-
-  def sampling_weights(self, layout: str):
-    """(graphdef, abstract weights, layers as a list, the copy or None) the sampler decodes
-    from on host 0's mesh in `layout`."""
-    graphdef, local = self.policy_on_host
-    if not self.spec.sampling_dtype:
-      return graphdef, local, False, None
-    copy = weight_copy.WeightCopy(graphdef, local, jnp.dtype(self.spec.sampling_dtype), layout,
-                                  self.local_mesh)
-    return copy.graphdef, copy.abstract, copy.as_list, copy
-
-  def sampler_programs(self, layout: str, choice: str) -> tuple[dict[str, Program], int, object]:
-    """The refresh and the row programs to compile, the count of row programs a step may
-    compile, and the copy's abstract weights (resident)."""
+  def sampler_plan(self, hosts_per_group: int, layout: str, choice: str) -> SamplerPlan:
+    """The programs of a sampler on groups of `hosts_per_group` hosts in `layout`: the weight
+    movement over the whole slice (update phase), the row programs, the empty rows and the
+    group's broadcasts on one group's chips (rollout phase)."""
     spec = self.spec
-    graphdef, weights, as_list, copy = self.sampling_weights(layout)
-    out = {}
-    if copy is not None:
-      out["sampler/refresh_weights"] = copy.refresh_program(self.local_mesh,
-                                                            self.policy_on_host[1])
-    shards = math.prod(self.local_mesh.shape[a]
-                       for a in partitioning.mesh_axes("batch", self.local_mesh))
-    calls = row_programs.row_program_set(
-        math.lcm(self.rows_per_host, shards), bucket_size(spec.cache_len, MIN_CACHE_BUCKET),
-        shards, prefill_chunk=spec.prefill_chunk)
+    meshes = self.meshes(hosts_per_group, layout)
+    graphdef = self.learners.policy.graphdef
+    params = _placed_on(self.learners.policy.params, meshes.train)
+    dtype = jnp.dtype(spec.sampling_dtype) if spec.sampling_dtype else None
+    copy = weight_copy.sampler_copy(graphdef, params, dtype, layout, meshes, None)
+    listed, phases = {}, {}
+    if copy is None:  # it decodes from the training weights where they lie
+      group_mesh, weights, resident_copy = meshes.train, params, ()
+      as_list, decode_graphdef = weight_copy.layers_as_list(layout, group_mesh), graphdef
+    else:
+      movement = copy.program(params, made=self.run.rollout.release_sampler_weights)
+      listed["sampler/copy_weights"] = dataclasses.replace(movement, work={
+          **movement.work, "copy_bytes": programs.device_gib(copy.abstract) * GIB})
+      phases["sampler/copy_weights"] = UPDATE
+      group_mesh = partitioning.make_mesh(dict(meshes.sampler_mesh.shape),
+                                          self.group_devices(hosts_per_group))
+      weights = resident_copy = _placed_on(copy.abstract, group_mesh)
+      as_list, decode_graphdef = copy.as_list, copy.graphdef
+    shards = math.prod(group_mesh.shape[a] for a in partitioning.mesh_axes("batch", group_mesh))
+    group_rows = -(-spec.dialogues // meshes.num_groups)
+    rows = math.lcm(group_rows, shards)
+    capacity = bucket_size(spec.cache_len, MIN_CACHE_BUCKET)
+    cache_dtype = jnp.dtype(spec.dtype)
+    calls = row_programs.row_program_set(rows, capacity, shards,
+                                         prefill_chunk=spec.prefill_chunk)
     bounding = _row_programs_to_compile(calls, "bounding")
     for call in _row_programs_to_compile(calls, choice):
-      program = row_programs.row_program(graphdef, weights, spec.model, self.local_mesh, call,
-                                        math.lcm(self.rows_per_host, shards),
-                                        jnp.dtype(spec.dtype), as_list, spec.sampling)
+      program = row_programs.row_program(decode_graphdef, weights, spec.model, group_mesh, call,
+                                         rows, cache_dtype, as_list, spec.sampling.static())
       # Which smaller shapes a rollout meets depends on its events: the estimate charges
       # every call to the bounding programs (an upper bound) and none to the others.
-      out[call.name] = dataclasses.replace(program, calls=_row_calls_per_step(
-          call, spec, self.rows_per_host) if call in bounding else 0.0)
-    return out, len(calls), (weights if copy is not None else ())
-
+      listed[call.name] = dataclasses.replace(program, calls=_row_calls_per_step(
+          call, spec, group_rows) if call in bounding else 0.0)
+    listed[f"sampler/empty_rows[b={rows},c={capacity}]"] = row_programs.empty_rows_program(
+        spec.model, group_mesh, rows, capacity, cache_dtype, as_list)
+    if meshes.hosts_per_group > 1:  # the leader's announcements (`models/group_channel.py`)
+      lengths = [group_channel.HEADER] + [row_sampler.payload_length(c) for c in calls]
+      for words in group_channel.payload_lengths(lengths):
+        message = jax.ShapeDtypeStruct((group_mesh.devices.size, words), jnp.int32,
+                                       sharding=group_channel.rows_sharding(group_mesh))
+        listed[f"sampler/group_broadcast[n={words}]"] = Program(
+            group_channel.broadcast_program(group_mesh), (message,), group_mesh, calls=0.0,
+            work={"kind": "group_broadcast"})
+    phases.update({name: ROLLOUT for name in listed if name not in phases})
+    return SamplerPlan(listed, phases, len(calls), group_mesh, resident_copy)
 
   def simulator_programs(self) -> tuple[dict[str, Program], object]:
-    """The in-process simulator's generate programs on host 0's mesh (its bf16 weights placed
+    """The in-process simulator's generate programs on a host's mesh (its bf16 weights placed
     like the policy's, `builder.simulated_user`), and those weights (resident)."""
     spec = self.spec
-    model = _abstract_model(qwen2.Qwen2, dataclasses.replace(
-        spec, model=spec.simulator, dtype="bfloat16", param_dtype="bfloat16"), self.local_mesh,
-                            "none")
+    local_mesh = partitioning.make_mesh(partitioning.per_group_axes(spec.mesh_axes, self.hosts),
+                                        self.group_devices(1))
+    with partitioning.mesh_context(local_mesh):
+      model = nnx.eval_shape(lambda: qwen2.Qwen2(spec.simulator, dtype=jnp.bfloat16,
+                                                 param_dtype=jnp.bfloat16, remat="none",
+                                                 attention=spec.attention, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(model)
-    weights = programs.abstract(state, partitioning.state_shardings(state, self.local_mesh))
-    rows = min(spec.simulator_batch, self.rows_per_host)
-    listed = batch_sampler.generate_programs(graphdef, weights, spec.simulator,
-                                             self.local_mesh, rows, spec.simulator_prompt_tokens,
+    weights = programs.abstract(state, partitioning.state_shardings(state, local_mesh))
+    rows = min(spec.simulator_batch, -(-spec.dialogues // self.hosts))
+    listed = batch_sampler.generate_programs(graphdef, weights, spec.simulator, local_mesh,
+                                             rows, spec.simulator_prompt_tokens,
                                              spec.simulator_sampling, jnp.bfloat16)
     # Two calls (emotion analysis, then the reply) per user turn, for every dialogue.
-    calls = 2 * spec.simulator_turns * -(-self.rows_per_host // rows)
+    calls = 2 * spec.simulator_turns * -(-spec.dialogues // self.hosts // rows)
     return {f"sim_user/{name}[b={p.work['rows']},t={p.work['tokens']},c={p.work['capacity']}]":
             dataclasses.replace(p, calls=calls) for name, p in listed.items()}, weights
 
@@ -319,91 +426,199 @@ def _row_calls_per_step(call, spec: PlanSpec, rows: int) -> float:
   return fed / call.chunk * rows / call.width
 
 
+class _Compiler:
+  """Compiles programs once each (a name may recur between group sizes), recording what
+  every compile costs and the names of the jitted functions it compiled (`functions`)."""
+
+  def __init__(self, spec: PlanSpec, chip, cost_args: dict):
+    self.spec, self.chip, self.cost_args = spec, chip, cost_args
+    self.done = {}
+
+  def __call__(self, key, name: str, program: Program, weights_fsdp_sharded: bool) -> dict:
+    if key not in self.done:
+      functions = set()
+      with _recording_compiles(functions):
+        out = compile_program(program)
+      out["functions"] = sorted(functions)
+      cost = costs.program_cost(program.work, self.spec.model,
+                                _layout(program.mesh, weights_fsdp_sharded), **self.cost_args)
+      out.update(calls=program.calls, work=program.work, chips=program.mesh.devices.size,
+                 **costs.cost_as_dict(cost, self.chip))
+      self.done[key] = out
+    return self.done[key]
+
+
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+@contextlib.contextmanager
+def _recording_compiles(names: set):
+  """Adds the function name of every program compiled inside to `names`."""
+  def record(event, seconds, **kwargs):
+    del seconds
+    if event == COMPILE_EVENT and kwargs.get("fun_name"):
+      names.add(function_name(kwargs["fun_name"]))
+  jax.monitoring.register_event_duration_secs_listener(record)
+  try:
+    yield
+  finally:
+    jax.monitoring.unregister_event_duration_listener(record)
+
+
+def function_name(fun_name: str) -> str:
+  """The jitted function's own name in a compile event's `fun_name` ("jit(update)": update)."""
+  match = re.fullmatch(r"jit\((.*)\)", fun_name)
+  return match.group(1) if match else fun_name
+
+
+def _phase_peaks(resident_gib: float, copy_gib: float, compiled: dict, phases: dict, *,
+                 drop_copy: bool, rows_gib_in_update: float) -> dict:
+  """Each phase's peak per chip: what stays resident through it plus the most one of its
+  programs adds. The rollout holds the sampler's copy; the update holds it too unless it is
+  dropped (then its making is the movement's own output), and with an off-policy rollout
+  also the rollout's row cache (`rows_gib_in_update`)."""
+  extra = lambda phase: max((compiled[n]["extra_gib"] for n, p in phases.items() if p == phase),
+                            default=0.0)
+  return {"rollout_gib": resident_gib + copy_gib + extra(ROLLOUT),
+          "update_gib": resident_gib + (0.0 if drop_copy else copy_gib) + rows_gib_in_update +
+                        extra(UPDATE)}
+
+
 def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None,
-         host_devices=None) -> dict:
+         group_devices=None, memory_gib: float | None = None) -> dict:
   """Per-device memory, compile seconds, kernels and estimated costs of every program of one
-  step on `devices` (default: all at hand); `chip` (a TPU or GPU generation) adds times, a
-  verdict against its HBM and the step estimate. Host-local programs (the sampler's) compile
-  for `host_devices` (default: the devices of process 0)."""
-  planner = _Planner(spec, devices, host_devices)
-  mesh, local_mesh = planner.mesh, planner.local_mesh
+  step on `devices` (default: all at hand), with the sampler on groups of 1, 2 and 4 hosts
+  side by side (`group_devices(k)`: the devices of a k-host slice, `_Planner`); `chip` (a TPU
+  or GPU generation) adds times and the step estimate. The verdict is against `memory_gib`
+  (default: the chip's HBM). The headline (`programs`, the peaks) is the run's group size,
+  or with `rollout.sampler_hosts='auto'` the fewest hosts that fit (`recommended_hosts`)."""
+  planner = _Planner(spec, devices, group_devices)
+  mesh = planner.mesh
+  memory_gib = memory_gib or (chip.hbm_gib if chip is not None else None)
   device = mesh.devices.flat[0]
   dtype_bytes = lambda name: jnp.dtype(name).itemsize
   result = {"model": spec.model_name, "model_config": dataclasses.asdict(spec.model),
             "platform": device.platform, "device_kind": device.device_kind,
             "devices": mesh.devices.size, "hosts": planner.hosts, "mesh": dict(mesh.shape),
-            "sampler_mesh": dict(local_mesh.shape), "micro_batch": spec.micro_batch,
-            "seq_len": spec.seq_len, "grad_accum": spec.grad_accum,
-            "minibatches": spec.minibatches, "dialogues": spec.dialogues,
-            "cache_len": spec.cache_len, "prefill_chunk": spec.prefill_chunk,
-            "dtype": spec.dtype, "param_dtype": spec.param_dtype, "remat": spec.remat,
-            "attention": spec.attention, "sampling_dtype": spec.sampling_dtype if spec.sampler
-            else "", "sampling_layout": spec.sampling_layout,
-            "parameters": sum(x.size for x in jax.tree.leaves(planner.policy.params))}
+            "micro_batch": planner.shape.micro_batch, "seq_len": spec.seq_len,
+            "grad_accum": spec.grad_accum, "minibatches": spec.minibatches,
+            "dialogues": spec.dialogues, "cache_len": spec.cache_len,
+            "prefill_chunk": spec.prefill_chunk, "dtype": spec.dtype,
+            "param_dtype": spec.param_dtype, "remat": spec.remat, "attention": spec.attention,
+            "sampling_dtype": spec.sampling_dtype if spec.sampler else "",
+            "release_sampler_weights": spec.run.rollout.release_sampler_weights,
+            "parameters": sum(x.size for x in jax.tree.leaves(planner.learners.policy.params))}
   result["unsharded_weights_gib"] = (result["parameters"] * dtype_bytes(spec.param_dtype) /
                                      GIB)
-  resident = [(planner.policy.params, planner.policy.opt_state)]
-  if planner.critic is not None:
-    resident.append((planner.critic.params, planner.critic.opt_state))
-  if planner.reference is not None:
-    resident.append(planner.reference.params)
+  result["padded_rows"] = planner.shape.micro_batch * spec.grad_accum * (
+      spec.run.optim.num_minibatches)
+  resident = planner.resident()
   with partitioning.mesh_context(mesh):  # the uncached passes' attention on these devices
     uncached = attention.resolve(spec.attention, spec.seq_len, spec.seq_len, cached=False)
   cost_args = dict(compute_bytes=dtype_bytes(spec.dtype), param_bytes=dtype_bytes(
       spec.param_dtype), sampling_bytes=dtype_bytes(spec.sampling_dtype or spec.param_dtype),
                    cache_bytes=dtype_bytes(spec.dtype), remat=spec.remat,
                    causal_half=uncached != "einsum")
-  compiled = {}
-
-  def compile_all(listed: dict, sampling_layout: str = "train") -> None:
-    for name, program in listed.items():
-      if name not in compiled:
-        compiled[name] = _compiled_with_cost(program, name, spec, sampling_layout, cost_args,
-                                             chip)
-
-  compile_all(planner.learner_programs())
+  compile_one = _Compiler(spec, chip, cost_args)
+  compiled, phases = {}, {}
+  for name, program in planner.learner_programs().items():
+    compiled[name], phases[name] = compile_one(name, name, program, True), UPDATE
   if spec.simulator is not None:
     simulator_programs, simulator_weights = planner.simulator_programs()
-    compile_all(simulator_programs)
+    for name, program in simulator_programs.items():
+      compiled[name], phases[name] = compile_one(name, name, program, True), ROLLOUT
     resident.append(simulator_weights)
-  result["sampling_copy_gib"] = 0.0
-  if spec.sampler:
-    layout = spec.sampling_layout
-    if chip is not None and spec.sampling_dtype:
-      comparison, decode_programs = _compare_layouts(spec, planner, resident, compiled, chip,
-                                                     cost_args)
-      result["sampling_layouts"] = comparison
-      if layout == "auto":  # the faster layout that fits
-        layout = comparison["recommended"] or "train"
-      compiled.update(decode_programs[layout])
-    layout = "train" if layout == "auto" else layout
-    sampler_programs, possible, copy = planner.sampler_programs(layout, spec.row_programs)
-    compile_all(sampler_programs, layout)
-    resident.append(copy)
-    result.update(sampling_layout=layout, sampling_copy_gib=programs.device_gib(copy),
-                  row_programs={"possible": possible, "compiled": sum(
-                      "_rows[" in name for name in sampler_programs)})
-  result["programs"] = compiled
   result["resident_gib"] = programs.device_gib(resident)
-  result["compile_s"] = sum(p["compile_s"] for p in compiled.values())
-  result["peak_gib"] = result["resident_gib"] + max(p["extra_gib"] for p in compiled.values())
+  fits = lambda peak: memory_gib is None or peak <= memory_gib
+  result["sampler_hosts"] = {}
+  hosts_per_group = planner.configured_hosts or 1
+  if spec.sampler:
+    layout = "train" if spec.sampling_layout == "auto" else spec.sampling_layout
+    if spec.sampling_layout == "auto" and chip is not None and spec.sampling_dtype:
+      # The layout first, at the run's group size (the fewest hosts with 'auto').
+      comparison = _compare_layouts(planner, hosts_per_group, compile_one, compiled, phases,
+                                    result["resident_gib"], fits)
+      result["sampling_layouts"] = comparison
+      layout = comparison["recommended"] or "train"
+    sizes = {}
+    for k in planner.group_sizes():
+      sampler = planner.sampler_plan(k, layout, spec.row_programs if k == hosts_per_group
+                                     else "bounding")
+      sizes[k] = (sampler, _sampler_results(sampler, k, layout, compile_one))
+    rows_in_update = lambda sampler_results: (max(
+        (r["output_gib"] for n, r in sampler_results.items() if "empty_rows" in n),
+        default=0.0) if spec.run.rollout.off_policy_steps else 0.0)
+    for k, (sampler, sampler_results) in sizes.items():
+      peaks = _phase_peaks(result["resident_gib"], programs.device_gib(sampler.copy),
+                           {**compiled, **sampler_results}, {**phases, **sampler.phases},
+                           drop_copy=spec.run.rollout.release_sampler_weights,
+                           rows_gib_in_update=rows_in_update(sampler_results))
+      peak = max(peaks.values())
+      result["sampler_hosts"][k] = {
+          "groups": planner.hosts // k, "sampler_mesh": dict(sampler.group_mesh.shape),
+          "copy_gib": programs.device_gib(sampler.copy), **peaks, "peak_gib": peak,
+          "fits": fits(peak),
+          "copy_weights": {key: sampler_results["sampler/copy_weights"][key] for key in (
+              "argument_gib", "temp_gib", "extra_gib")} if (
+              "sampler/copy_weights" in sampler_results) else None}
+    fitting = [k for k, v in result["sampler_hosts"].items() if v["fits"]]
+    result["recommended_hosts"] = min(fitting) if fitting else None
+    if planner.configured_hosts is None:  # 'auto': what the trainer would choose
+      hosts_per_group = result["recommended_hosts"] or min(
+          result["sampler_hosts"], key=lambda k: result["sampler_hosts"][k]["peak_gib"])
+    sampler, sampler_results = sizes[hosts_per_group]
+    compiled.update(sampler_results)
+    phases.update(sampler.phases)
+    result.update(sampling_layout=layout, sampler_mesh=dict(sampler.group_mesh.shape),
+                  sampling_copy_gib=programs.device_gib(sampler.copy),
+                  row_programs={"possible": sampler.possible_row_programs, "compiled": sum(
+                      "_rows[" in name and "empty_rows" not in name for name in sampler_results)})
+  else:
+    result.update(sampling_layout="", sampler_mesh={}, sampling_copy_gib=0.0)
+  result["hosts_per_group"] = hosts_per_group
+  result["programs"] = {name: {**out, "phase": phases[name]} for name, out in compiled.items()}
+  peaks = (result["sampler_hosts"][hosts_per_group] if spec.sampler else _phase_peaks(
+      result["resident_gib"], 0.0, compiled, phases, drop_copy=False, rows_gib_in_update=0.0))
+  result["rollout_peak_gib"] = peaks["rollout_gib"]
+  result["update_peak_gib"] = peaks["update_gib"]
+  result["peak_gib"] = max(peaks["rollout_gib"], peaks["update_gib"])
+  result["compile_s"] = sum(p["compile_s"] for p in compile_one.done.values())
+  # What the trainer compiles for this plan, by function name (tests/rlver_jax/test_multihost.py
+  # holds a run to it).
+  result["compiled_functions"] = sorted({f for p in compiled.values() for f in p["functions"]})
+  if memory_gib is not None:
+    result["memory_gib"] = memory_gib
+    result["fits"] = result["peak_gib"] <= memory_gib
   if chip is not None:
     result["hbm_gib"] = chip.hbm_gib
-    result["fits"] = result["peak_gib"] <= chip.hbm_gib
     result["assumptions"] = _assumptions(chip)
-    result["estimate"] = _step_estimate(spec, planner, compiled, chip)
+    result["estimate"] = _step_estimate(spec, planner, result["programs"], chip)
   return result
 
 
-def _compiled_with_cost(program: Program, name: str, spec: PlanSpec, sampling_layout: str,
-                        cost_args: dict, chip) -> dict:
-  """`compile_program` plus the cost model's estimate of one call and the calls per step."""
-  out = compile_program(program)
-  weights_fsdp_sharded = sampling_layout == "train" or not name.startswith("sampler/")
-  cost = costs.program_cost(program.work, spec.model,
-                            _layout(program.mesh, weights_fsdp_sharded), **cost_args)
-  out.update(calls=program.calls, work=program.work, **costs.cost_as_dict(cost, chip))
-  return out
+def _sampler_results(sampler: SamplerPlan, hosts_per_group: int, layout: str,
+                     compile_one: _Compiler) -> dict:
+  """Each of a sampler plan's programs compiled ({name: result})."""
+  return {name: compile_one((hosts_per_group, layout, name), name, program,
+                            layout == "train" or name == "sampler/copy_weights")
+          for name, program in sampler.programs.items()}
+
+
+def fewest_sampler_hosts(config, policy_path: str, devices, memory_gib: float) -> int:
+  """The fewest hosts per sampler group (1, 2, 4, ...) whose plan of the training run
+  `config` with the policy of checkpoint directory `policy_path` fits `memory_gib` per chip
+  on `devices`: what `rollout.sampler_hosts='auto'` runs. UserInputError where none fits."""
+  spec = spec_from_config(config, Overrides(hf_config=os.path.join(policy_path, "config.json")))
+  auto = dataclasses.replace(spec.run, rollout=dataclasses.replace(spec.run.rollout,
+                                                                   sampler_hosts=AUTO))
+  result = plan(dataclasses.replace(spec, run=auto), devices, memory_gib=memory_gib)
+  if result["recommended_hosts"] is None:
+    misses = {k: round(v["peak_gib"] - memory_gib, 2)
+              for k, v in result["sampler_hosts"].items()}
+    raise UserInputError(f"rollout.sampler_hosts='auto': no sampler group size fits "
+                         f"{memory_gib:g} GiB per chip (GiB over, by hosts per group: "
+                         f"{misses}); see python -m rlver_jax.plan")
+  return result["recommended_hosts"]
 
 
 def _assumptions(chip: topology.Generation) -> dict:
@@ -420,12 +635,13 @@ def _step_estimate(spec: PlanSpec, planner: _Planner, compiled: dict,
   """Seconds of one step from each program's estimate times its calls per step, the
   rollout's decode tokens/s per chip, and the updates' MFU."""
   seconds = {name: p["estimated_s"] * p["calls"] for name, p in compiled.items()}
-  in_rollout = lambda name: name.startswith(("sampler/", "sim_user/"))
+  in_rollout = lambda name: compiled[name]["phase"] == ROLLOUT
   rollout = sum(s for name, s in seconds.items() if in_rollout(name))
   learn = sum(s for name, s in seconds.items() if not in_rollout(name))
   update = sum(s for name, s in seconds.items() if name.startswith(("policy/", "critic/"))
                and not name.endswith("/values"))
-  tokens = spec.micro_batch * spec.grad_accum * spec.minibatches * spec.seq_len
+  shape = planner.shape
+  tokens = shape.micro_batch * shape.grad_accum * shape.minibatches * shape.seq_len
   model_flops = tokens * costs.model_flops_per_token(spec.model)
   if spec.critic:
     model_flops += tokens * costs.model_flops_per_token(spec.model, value_model=True)
@@ -438,33 +654,35 @@ def _step_estimate(spec: PlanSpec, planner: _Planner, compiled: dict,
   if decode:  # the widest chunk over the full cache: the rollout's slowest tokens
     chunk = max(decode, key=lambda p: (p["work"]["slots"], p["work"]["rows"]))
     out["decode_tokens_per_s_per_chip"] = (chunk["work"]["rows"] * chunk["work"]["tokens"] /
-                                           chunk["estimated_s"] / planner.local_mesh.devices.size)
+                                           chunk["estimated_s"] / chunk["chips"])
   return out
 
 
-def _compare_layouts(spec, planner, resident, compiled, chip, cost_args) -> tuple[dict, dict]:
-  """Both sampler layouts: the copy's memory, the widest decode chunk's memory and estimated
-  time, and whether the step fits with it (besides what is `resident` and the learner
-  programs `compiled` so far); `recommended` is the faster one that fits. Also returns each
-  layout's compiled decode program, {layout: {name: result}}."""
-  out, decode_programs = {}, {}
-  learner_extra = max(p["extra_gib"] for p in compiled.values())
+def _compare_layouts(planner: _Planner, hosts_per_group: int, compile_one: _Compiler,
+                     compiled: dict, phases: dict, resident_gib: float, fits) -> dict:
+  """The sampler layouts on groups of `hosts_per_group` hosts: the copy's memory, the widest
+  decode chunk's memory and estimated time, and the rollout phase's peak with it;
+  `recommended` is the faster one whose phases both fit."""
+  out = {}
+  learner_extra = max((compiled[n]["extra_gib"] for n, p in phases.items() if p == UPDATE),
+                      default=0.0)
   for layout in partitioning.SAMPLING_LAYOUTS:
-    listed, _, copy = planner.sampler_programs(layout, "bounding")
-    (name, program), = [(n, p) for n, p in listed.items() if p.work["kind"] == "decode_rows"]
-    result = _compiled_with_cost(program, name, spec, layout, cost_args, chip)
-    decode_programs[layout] = {name: result}
-    copy_gib = programs.device_gib(copy)
-    peak = programs.device_gib(resident) + copy_gib + max(learner_extra, result["extra_gib"])
-    out[layout] = {"copy_gib": copy_gib, "decode_program": name,
-                   "decode_extra_gib": result["extra_gib"],
-                   "decode_chunk_estimated_s": result["estimated_s"],
-                   "decode_bound": result["bound"], "peak_gib": peak,
-                   "fits": peak <= chip.hbm_gib}
+    sampler = planner.sampler_plan(hosts_per_group, layout, "bounding")
+    (name, program), = [(n, p) for n, p in sampler.programs.items()
+                        if p.work["kind"] == "decode_rows"]
+    decode = compile_one((hosts_per_group, layout, name), name, program, layout == "train")
+    copy_gib = programs.device_gib(sampler.copy)
+    rollout = resident_gib + copy_gib + decode["extra_gib"]
+    update = resident_gib + copy_gib + learner_extra
+    out[layout] = {"sampler_mesh": dict(sampler.group_mesh.shape), "copy_gib": copy_gib,
+                   "decode_program": name, "decode_extra_gib": decode["extra_gib"],
+                   "decode_chunk_estimated_s": decode["estimated_s"],
+                   "decode_bound": decode["bound"], "rollout_gib": rollout,
+                   "peak_gib": max(rollout, update), "fits": fits(max(rollout, update))}
   fitting = [layout for layout, v in out.items() if v["fits"]]
   out["recommended"] = min(fitting, key=lambda l: out[l]["decode_chunk_estimated_s"]) if (
       fitting) else None
-  return out, decode_programs
+  return out
 
 
 # Command line.
@@ -507,8 +725,11 @@ def _define_flags() -> None:
                       "weights")
   flags.DEFINE_string("sampling_layout", "auto", "that copy's layout "
                       "(rollout.sampling_layout): train (fsdp-sharded), decode (whole on "
-                      "every fsdp shard), or auto: with --topology the faster that fits, "
-                      "else train")
+                      "every fsdp shard), tensor (split by heads over a group's chips), or "
+                      "auto: with --topology the fastest that fits, else train")
+  flags.DEFINE_string("sampler_hosts", "auto", "hosts per sampler group "
+                      "(rollout.sampler_hosts): 1, 2, 4, ... or auto, the fewest that fit; "
+                      "1, 2 and 4 are planned side by side")
   flags.DEFINE_enum("row_programs", "bounding", list(ROW_PROGRAM_CHOICES), "compile every "
                     "row program a step can meet, or the largest of each kind")
   flags.DEFINE_float("device_memory_gib", None, "memory per device, for a verdict (default "
@@ -567,32 +788,64 @@ class Overrides:
       raise UserInputError(str(e)) from None
 
 
+def checked_run(config) -> sections.TrainRun:
+  """A recipe's `TrainRun` (or a `TrainRun`) after its sections' checks, less those about
+  inputs a plan does not read (the checkpoint, profiles and simulator a run needs: "... is
+  not set")."""
+  run = config if isinstance(config, sections.TrainRun) else sections.typed(
+      sections.TrainRun, config)
+  problems = [line for line in run.problems() if " is not set" not in line]
+  if problems:
+    raise UserInputError("training config cannot run: " + "; ".join(problems))
+  return run
+
+
 def spec_from_config(config, overrides: Overrides = Overrides()) -> PlanSpec:
-  """A recipe as shipped: its mesh, models, micro-batch, accumulation, sampler and sampling;
-  `overrides` (--mesh, --batch, --seq_len and the like) still apply."""
+  """A recipe as shipped (its checked `TrainRun`): its mesh, models, micro-batch as the
+  trainer pads it, accumulation, sampler and sampling; `overrides` (--mesh, --batch,
+  --seq_len and the like) still apply."""
   o = overrides
-  model, name = o.model_config("" if config.policy.tiny_init else config.policy.checkpoint)
-  optim, rollout = config.optim, config.rollout
-  dialogues = config.batch_size * rollout.samples_per_profile
-  micro = o.batch or max(dialogues // (optim.num_minibatches * optim.grad_accum), 1)
+  run = checked_run(config)
+  if o.mesh_axes():
+    run = dataclasses.replace(run, mesh=sections.MeshConfig(**{
+        **dataclasses.asdict(sections.MeshConfig()), **o.mesh_axes()}))
+  if o.grad_accum:
+    run = dataclasses.replace(run, optim=dataclasses.replace(run.optim, grad_accum=o.grad_accum))
+  model, name = o.model_config("" if run.policy.tiny_init else run.policy.checkpoint)
+  rollout = run.rollout
   return PlanSpec(
-      model=model, model_name=name, mesh_axes=o.mesh_axes() or dict(config.mesh),
-      micro_batch=micro, seq_len=o.seq_len or bucket_size(rollout.max_dialogue_tokens),
-      grad_accum=o.grad_accum or optim.grad_accum,
-      minibatches=optim.ppo_epochs * optim.num_minibatches,
-      critic=config.rl.algorithm == "ppo", reference=bool(config.rl.kl_coef),
-      dtype=config.policy.dtype, param_dtype=config.policy.param_dtype,
-      remat=config.policy.remat_policy if config.policy.remat else "none",
-      attention=config.policy.attention, sampling_dtype=rollout.sampling_dtype,
-      sampling_layout=rollout.sampling_layout, dialogues=dialogues,
+      run=run, model=model, model_name=name, micro_batch=o.batch or 0,
+      dialogues=run.batch_size * rollout.samples_per_profile,
+      seq_len=o.seq_len or bucket_size(rollout.max_dialogue_tokens),
+      grad_accum=run.optim.grad_accum,
+      minibatches=run.optim.ppo_epochs * run.optim.num_minibatches,
       # The rows' capacity as the engine sets it, less the opening feed (a bucket's slack).
       cache_len=o.cache_len or engine.row_capacity(rollout, 0),
-      prefill_chunk=o.prefill_chunk or 0,
-      dialogue_tokens=o.dialogue_tokens or 0,
-      sampling=SamplingParams(temperature=rollout.temperature, top_k=rollout.top_k,
-                              top_p=rollout.top_p),
-      temperature=rollout.temperature, row_programs=o.row_programs,
-      **_simulator_from_config(config.sim_user, o))
+      prefill_chunk=o.prefill_chunk or 0, dialogue_tokens=o.dialogue_tokens or 0,
+      row_programs=o.row_programs, **_simulator_from_config(run.sim_user, o))
+
+
+def run_from_settings(*, mesh_axes=None, critic: bool = True, reference: bool = False,
+                      dtype: str = "bfloat16", param_dtype: str = "float32",
+                      remat: str = "full", attention: str = "auto",
+                      sampling_dtype: str = "bfloat16", sampler_hosts: str = "1",
+                      grad_accum: int = 1) -> sections.TrainRun:
+  """The PPO recipe's defaults (`sections.TrainRun`) with these settings: the run a plan
+  from flags alone (no --config) plans. Without `critic` it is GRPO; with `reference` it has
+  a KL penalty (its weight does not change the programs)."""
+  d = sections.TrainRun()
+  remat = qwen2.remat_policy_name(remat)
+  return dataclasses.replace(
+      d, mesh=sections.MeshConfig(**{**dataclasses.asdict(d.mesh), **(mesh_axes or {})}),
+      policy=dataclasses.replace(d.policy, dtype=dtype, param_dtype=param_dtype,
+                                 remat=remat != "none", attention=attention,
+                                 remat_policy=d.policy.remat_policy if remat == "none"
+                                 else remat),
+      rl=dataclasses.replace(d.rl, algorithm="ppo" if critic else "grpo",
+                             kl_coef=0.1 if reference else 0.0),
+      rollout=dataclasses.replace(d.rollout, sampling_dtype=sampling_dtype,
+                                  sampler_hosts=str(sampler_hosts)),
+      optim=dataclasses.replace(d.optim, grad_accum=grad_accum))
 
 
 def _simulator_from_config(sim_user, o: Overrides) -> dict:
@@ -614,13 +867,14 @@ def spec_from_flags(FLAGS) -> PlanSpec:
   """A step described by flags alone (no --config)."""
   o = Overrides.from_flags(FLAGS)
   model, name = o.model_config()
+  run = run_from_settings(
+      mesh_axes=o.mesh_axes() or dict(partitioning.DEFAULT_MESH_AXES), critic=FLAGS.critic,
+      reference=FLAGS.reference, dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype,
+      remat=FLAGS.remat, attention=FLAGS.attention, sampling_dtype=FLAGS.sampling_dtype,
+      sampler_hosts=FLAGS.sampler_hosts, grad_accum=o.grad_accum or 1)
   return PlanSpec(
-      model=model, model_name=name,
-      mesh_axes=o.mesh_axes() or dict(partitioning.DEFAULT_MESH_AXES),
-      micro_batch=o.batch or 32, seq_len=o.seq_len or 8192, grad_accum=o.grad_accum or 1,
-      critic=FLAGS.critic, reference=FLAGS.reference, dtype=FLAGS.dtype,
-      param_dtype=FLAGS.param_dtype, remat=FLAGS.remat, attention=FLAGS.attention,
-      sampler=FLAGS.sampler, sampling_dtype=FLAGS.sampling_dtype,
+      run=run, model=model, model_name=name, micro_batch=o.batch or 32,
+      seq_len=o.seq_len or 8192, grad_accum=run.optim.grad_accum, sampler=FLAGS.sampler,
       sampling_layout=FLAGS.sampling_layout, cache_len=o.cache_len or 0,
       prefill_chunk=o.prefill_chunk or 0, dialogue_tokens=o.dialogue_tokens or 0,
       row_programs=o.row_programs)
@@ -640,57 +894,69 @@ def _plan_from_flags():
   config = FLAGS["config"].value
   spec = (spec_from_flags(FLAGS) if config is None else
           spec_from_config(config, Overrides.from_flags(FLAGS)))
-  devices = chip = host_devices = None
+  devices = chip = group_devices = None
   if FLAGS.topology:
     if FLAGS.fake_devices:
       raise UserInputError("--topology and --fake_devices: choose one")
     accelerators = topology.parse_accelerator_type(FLAGS.topology)
     devices, chip = topology.slice_devices(accelerators), accelerators.generation
-    if accelerators.hosts > 1:
-      host_devices = topology.slice_devices(topology.one_host(accelerators))
-  result = plan(spec, devices, chip, host_devices)
+    group_devices = topology.group_devices(accelerators)
+  result = plan(spec, devices, chip, group_devices, memory_gib=FLAGS.device_memory_gib)
   if FLAGS.topology:
     result["topology"] = FLAGS.topology
-  memory = FLAGS.device_memory_gib or (chip.hbm_gib if chip else None)
-  _print(result, spec, memory)
+  _print(result, spec)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       json.dump(result, f, indent=2)
 
 
-def _print(result: dict, spec: PlanSpec, memory_gib: float | None) -> None:
+def _print(result: dict, spec: PlanSpec) -> None:
   where = result.get("topology", result["platform"])
   print(f"{result['model']}: {result['parameters'] / 1e9:.2f}B parameters on {where} "
         f"({result['device_kind']}, {result['devices']} devices, {result['hosts']} host(s)), "
-        f"mesh {result['mesh']}, micro-batch {spec.micro_batch} x {spec.seq_len} tokens "
-        f"(x{spec.grad_accum} accumulated), {spec.dtype} compute / {spec.param_dtype} "
-        f"weights, remat {spec.remat}, attention {spec.attention}")
+        f"mesh {result['mesh']}, micro-batch {result['micro_batch']} x {spec.seq_len} tokens "
+        f"(x{spec.grad_accum} accumulated; {result['dialogues']} dialogues padded to "
+        f"{result['padded_rows']} rows), {spec.dtype} compute / {spec.param_dtype} weights, "
+        f"remat {spec.remat}, attention {spec.attention}")
   timed = "estimated_s" in next(iter(result["programs"].values()))
-  print(f"{'per device, GiB':<44}{'args':>7}{'temps':>7}{'+resident':>10}{'compile s':>10}"
-        + (f"{'est. s':>9}{'x calls':>9}  bound" if timed else "") + "  kernels")
+  print(f"{'per device, GiB':<44}{'phase':>8}{'args':>7}{'temps':>7}{'+resident':>10}"
+        f"{'compile s':>10}" + (f"{'est. s':>9}{'x calls':>9}  bound" if timed else "") +
+        "  kernels")
   for name, r in result["programs"].items():
     times = (f"{r['estimated_s']:>9.4f}{r['calls']:>9.1f}  {r['bound']:<7}" if timed else "")
     kernels = r.get("error") or ",".join(r["kernels"]) or "-"
-    print(f"{name:<44}{r['argument_gib']:>7.2f}{r['temp_gib']:>7.2f}{r['extra_gib']:>10.2f}"
-          f"{r['compile_s']:>10.1f}{times}  {kernels}")
+    print(f"{name:<44}{r['phase']:>8}{r['argument_gib']:>7.2f}{r['temp_gib']:>7.2f}"
+          f"{r['extra_gib']:>10.2f}{r['compile_s']:>10.1f}{times}  {kernels}")
   if "row_programs" in result:
     rows = result["row_programs"]
     print(f"row programs: {rows['compiled']} compiled of the {rows['possible']} shapes a step "
           f"can meet (--row_programs=all compiles every one)")
-  copy = (f", the sampler's {result['sampling_dtype']} copy ({result['sampling_layout']} "
-          f"layout) {result['sampling_copy_gib']:.2f}" if result["sampling_copy_gib"] else "")
+  copy = (f"; the sampler's {result['sampling_dtype']} copy ({result['sampling_layout']} "
+          f"layout, mesh {result['sampler_mesh']}) {result['sampling_copy_gib']:.2f}" +
+          (", dropped during the update" if result["release_sampler_weights"] else "")
+          if result["sampling_copy_gib"] else "")
   print(f"resident          {result['resident_gib']:.2f} GiB per device (policy and critic "
-        f"weights and optimizer states{copy})")
-  print(f"estimated peak    {result['peak_gib']:.2f} GiB per device (resident plus the largest "
-        f"'+resident' column); compile {result['compile_s']:.1f} s in all")
+        f"weights and optimizer states, reference{copy})")
+  memory = result.get("memory_gib")
+  verdict = lambda ok: "" if memory is None else (": fits" if ok else ": does NOT fit")
+  for k, v in result["sampler_hosts"].items():
+    mark = " <- planned" if k == result["hosts_per_group"] else ""
+    print(f"sampler_hosts={k:<3} {v['groups']:>3} group(s) on mesh {v['sampler_mesh']}, copy "
+          f"{v['copy_gib']:.2f} GiB; rollout peak {v['rollout_gib']:.2f}, update peak "
+          f"{v['update_gib']:.2f} GiB{verdict(v['fits'])}{mark}")
+  if result["sampler_hosts"]:
+    print(f"sampler_hosts recommended: {result['recommended_hosts']} (the fewest that fit; "
+          "--config.rollout.sampler_hosts=K or 'auto')")
   for layout, v in result.get("sampling_layouts", {}).items():
     if layout != "recommended":
       print(f"sampler layout {layout:<7} copy {v['copy_gib']:.2f} GiB, decode chunk "
             f"+{v['decode_extra_gib']:.2f} GiB, est. {v['decode_chunk_estimated_s']:.3f} s "
-            f"({v['decode_bound']}-bound), peak {v['peak_gib']:.2f} GiB: "
-            f"{'fits' if v['fits'] else 'does NOT fit'}")
+            f"({v['decode_bound']}-bound), peak {v['peak_gib']:.2f} GiB{verdict(v['fits'])}")
   if "sampling_layouts" in result:
     print(f"sampler layout recommended: {result['sampling_layouts']['recommended']}")
+  print(f"estimated peak    rollout {result['rollout_peak_gib']:.2f}, update "
+        f"{result['update_peak_gib']:.2f} GiB per device (resident plus the largest "
+        f"'+resident' of the phase); compile {result['compile_s']:.1f} s in all")
   if "estimate" in result:
     e = result["estimate"]
     tokens = (f", decode {e['decode_tokens_per_s_per_chip']:.0f} tokens/s per chip"
@@ -699,9 +965,9 @@ def _print(result: dict, spec: PlanSpec, memory_gib: float | None) -> None:
           f"{e['dialogue_tokens']} policy tokens a dialogue, learner {e['learner_s']:.1f} s), "
           f"update MFU {e['update_mfu']:.0%}{tokens}: a roofline cost model "
           f"(rlver_jax/costs.py), not a measurement")
-  if memory_gib:
-    verdict = "fits" if result["peak_gib"] <= memory_gib else "does NOT fit"
-    print(f"verdict: {verdict} in {memory_gib:g} GiB per device")
+  if memory is not None:
+    print(f"verdict: {'fits' if result['fits'] else 'does NOT fit'} in {memory:g} GiB per "
+          f"device (sampler_hosts={result['hosts_per_group']})")
 
 
 if __name__ == "__main__":

@@ -257,7 +257,7 @@ def evaluate(config) -> dict:
           response = strip_thinking(response)
         rows.append({**item, "response": response, "stop_reason": reason,
                      **score(r.task, item, response)})
-      for row in multihost.gather(rows):
+      for row in multihost.gather_records(rows):
         correct += row["correct"]
         out.write(json.dumps(row, ensure_ascii=False) + "\n")
       bar.update(len(batch))

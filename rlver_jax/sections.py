@@ -79,6 +79,12 @@ class PolicyConfig(Section):
   remat_policy: str = "full"
   attention: str = "auto"
 
+  @property
+  def remat_name(self) -> str:
+    """The remat policy the learners' models run (`qwen2.REMAT_POLICIES`): "none" without
+    remat."""
+    return self.remat_policy if self.remat else "none"
+
 
 @dataclasses.dataclass(frozen=True)
 class CriticConfig(Section):
@@ -253,10 +259,20 @@ class TrainRun(Section):
       p.nested(self.rollout, "rollout").require(
           "samples_per_profile", at_least(2),
           "GRPO compares the samples of one profile; a group of one has advantage 0")
-    if self.rl.algorithm == "ppo":
+    if self.rl.uses_critic:
       p.nested(self.optim, "optim").require("critic_lr", positive, "must be > 0")
     _check_system_prompt(p, "rollout.system_prompt", self.rollout.system_prompt,
                          self.sim_user.language)
+    if self.rollout.groups_span_hosts:  # a group's followers mirror the row engine only
+      rollout = p.nested(self.rollout, "rollout")
+      rollout.require("engine", lambda v: v == "continuous",
+                      f"rollout.sampler_hosts={self.rollout.sampler_hosts!r}: a sampler group "
+                      "of several hosts runs the continuous engine only")
+      if self.sim_user.backend == "flax":
+        p.add(f"sim_user.backend='flax' with rollout.sampler_hosts="
+              f"{self.rollout.sampler_hosts!r}: the in-process simulator runs on each host's "
+              "own chips, beside a sampler of its own; give rollout.sampler_hosts='1' or a "
+              "server-backed simulator")
 
 
 @dataclasses.dataclass(frozen=True)

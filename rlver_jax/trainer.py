@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from tqdm import tqdm
 
-from models import host_metrics, partitioning, qwen2
+from models import host_metrics, qwen2
 from rl import keys
 from rl import rollout as rollout_lib
 from rl.step import TrainingError
@@ -162,20 +162,23 @@ class Trainer:
     getattr(self.checkpoints, "_maybe_await_cleanup_tmp_directory", lambda: None)()
     run_config.check_and_save(self.config_dict, config.workdir,
                               resuming=self.checkpoints.latest_step() is not None)
-    mesh_axes = dataclasses.asdict(config.mesh)
-    self.hosts = multihost.Hosts(partitioning.make_mesh(mesh_axes), mesh_axes)
     self.off_policy_steps = config.rollout.off_policy_steps
-    off_policy.check_supported(self.off_policy_steps, self.hosts.count)
-    # On several devices, the background rollout and the update take turns on them.
-    self.turns = off_policy.DeviceTurns(
-        enabled=bool(self.off_policy_steps) and self.hosts.train_mesh.devices.size > 1)
+    off_policy.check_supported(self.off_policy_steps, jax.process_count())
     self.rollout_cfg = builder.train_rollout_config(config)
     self.profiles = profiles_lib.load_profiles(config.data.train_profiles)
     # The simulator's health check comes before the policy's warm-up and loading: a dead
-    # simulator fails the run in seconds, not after minutes of preparing a policy.
-    self.user = builder.simulated_user(config, self.hosts.local_mesh)
-    policy_path = (tiny.demo_policy(config) if config.policy.tiny_init
-                   else config.policy.checkpoint)
+    # simulator fails the run in seconds, not after minutes of preparing a policy. (An
+    # in-process simulator runs on its host's own chips.)
+    self.user = builder.simulated_user(
+        config, multihost.local_mesh(dataclasses.asdict(config.mesh)))
+    self.policy_path = policy_path = (tiny.demo_policy(config) if config.policy.tiny_init
+                                      else config.policy.checkpoint)
+    self.hosts = multihost.Hosts(builder.run_meshes(
+        config, qwen2.read_config(policy_path).num_kv_heads,
+        builder.hosts_per_group(config, policy_path)))
+    # On several devices, the background rollout and the update take turns on them.
+    self.turns = off_policy.DeviceTurns(
+        enabled=bool(self.off_policy_steps) and self.hosts.train_mesh.devices.size > 1)
     self.models = builder.training_models(config, policy_path, self.hosts)
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
@@ -273,25 +276,31 @@ class Trainer:
     if self.sampler_step == self.step:
       return
     assert self.prefetch is None, "the sampler's weights change under a rollout in flight"
-    params = self.hosts.local_params(self.models.policy.params)
-    if self.off_policy_steps and not self.config.rollout.sampling_dtype:
+    sampler, params = self.models.sampler, self.models.policy.params
+    if self.off_policy_steps and sampler.weight_copy is None:
       # This sampler decodes from the weights it is given, and the update that runs beside the
       # next rollout donates the training weights: it gets a copy of its own.
       params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-    self.models.sampler.update_weights(params)
+    sampler.update_weights(params)  # cast and moved onto every sampler group's mesh
     if self.off_policy_steps:  # ready before the update that may donate what it was read from
       jax.block_until_ready(self.models.sampler.state)
     self.sampler_step = self.step
 
   def _collect(self, step: int, profile_ids: list[int], sampler, user):
-    """`step`'s rollout of these profiles (this host's share) and its simulator events."""
+    """`step`'s rollout of these profiles (this host's share) and its simulator events. A
+    host that follows its sampler group's leader dispatches the leader's programs and has
+    no dialogues of its own."""
+    if not self.hosts.leads_group:
+      sampler.follow()
+      return rollout_lib.Rollout(samples=[], dialogues=[], metrics={}), {}
     chosen = [self.profiles[i] for i in profile_ids]
     share = self.hosts.share(len(chosen))  # this host's dialogues
     sim_counts_before = dict(user.metrics)
-    rollout = rollout_lib.collect(
-        sampler, self.models.formatter, user, chosen[share.start:share.stop], self.rollout_cfg,
-        keys.rollout_step(self.config.seed, step), first_profile=share.start,
-        reward=self.config.rl.reward)
+    with sampler.leading():
+      rollout = rollout_lib.collect(
+          sampler, self.models.formatter, user, chosen[share.start:share.stop],
+          self.rollout_cfg, keys.rollout_step(self.config.seed, step),
+          first_profile=share.start, reward=self.config.rl.reward)
     sim_events = {key: count - sim_counts_before.get(key, 0)  # this rollout's simulator events
                   for key, count in user.metrics.items()}
     return rollout, sim_events
@@ -348,13 +357,17 @@ class Trainer:
     if self.off_policy_steps and step < config.steps:
       self._start_prefetch(step + 1)  # beside this step's update, with the weights before it
     self.dialogue_log.observe(step, rollout.dialogues)
-    rollout_metrics = {**rollout.metrics, **sim_events, "tokens_per_s": rollout.metrics[
-        "tokens/generated"] / max(rollout.metrics["time/rollout"], 1e-9),
-        # Updates between the weights that sampled this step and those it trains (0:
-        # on-policy), and the seconds the step waited for its dialogues.
-        "rollout/policy_lag": self.step - weights_step, "rollout/wait_s": waited}
+    rollout_metrics = {**rollout.metrics, **sim_events,
+                       # Updates between the weights that sampled this step and those it
+                       # trains (0: on-policy), and the seconds the step waited for them.
+                       "rollout/policy_lag": self.step - weights_step, "rollout/wait_s": waited}
+    if rollout.dialogues:  # a sampler group's follower has none (combined over hosts)
+      rollout_metrics["tokens_per_s"] = rollout.metrics["tokens/generated"] / max(
+          rollout.metrics["time/rollout"], 1e-9)
+    if self.config.rollout.release_sampler_weights:
+      self.models.sampler.drop_weights()  # the update has its memory; made anew after it
     if not self.simulator_guard.trainable(
-        step, multihost.gather([d.failure for d in rollout.dialogues])):
+        step, multihost.gather_records([d.failure for d in rollout.dialogues])):
       self.step = step
       return self.hosts.reduce_step_metrics({**rollout_metrics, "untrained/simulator": 1},
                                             rollout)

@@ -54,13 +54,16 @@ def distributed_envs(processes: int, devices: int, **extra: str) -> list[dict[st
 
 
 def launch(workdir: str, processes: int, devices: int, *flags: str, heartbeat_s: int = 60,
-           program=("rlver_jax.main", *SMALL_DEMO_FLAGS)) -> list[subprocess.Popen]:
+           program=("rlver_jax.main", *SMALL_DEMO_FLAGS),
+           extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
   """Starts `python -m program --config.workdir=workdir flags` (the small demo trainer) as
-  `processes` processes of `devices` CPU devices; process i logs to `workdir.i.log`."""
+  `processes` processes of `devices` CPU devices, with `extra_env` in their environment;
+  process i logs to `workdir.i.log`."""
+  extra = {"RLVER_HEARTBEAT_TIMEOUT_S": str(heartbeat_s), **(extra_env or {})}
   if processes > 1:
-    envs = distributed_envs(processes, devices, RLVER_HEARTBEAT_TIMEOUT_S=str(heartbeat_s))
+    envs = distributed_envs(processes, devices, **extra)
   else:
-    envs = [cpu_env(devices, RLVER_HEARTBEAT_TIMEOUT_S=str(heartbeat_s))]
+    envs = [cpu_env(devices, **extra)]
   procs = []
   for pid, env in enumerate(envs):
     with open(f"{workdir}.{pid}.log", "w") as log:  # the child keeps its own descriptor

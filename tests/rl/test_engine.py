@@ -208,6 +208,14 @@ def test_bf16_sampling_weights_refresh_without_recompiling(model, layout):
   assert decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=4)[0] == refreshed
   assert (sampler._decode._cache_size(), len(sampler._row_executables)) == compiled
   assert refreshed != expected.tokens
+  # rollout.release_sampler_weights: the copy is freed while the update runs, and the next
+  # refresh makes it anew, for the same programs.
+  held = jax.tree.leaves(sampler.state)
+  sampler.drop_weights()
+  assert sampler.state is None and all(x.is_deleted() for x in held)
+  sampler.update_weights(other)
+  assert sampler.generate(PROMPTS, GREEDY).tokens == refreshed
+  assert (sampler._decode._cache_size(), len(sampler._row_executables)) == compiled
 
 
 def test_row_programs_are_a_fixed_set_of_at_most_16():

@@ -20,14 +20,14 @@ MODEL = qwen2.Qwen2Config(vocab_size=2048, hidden_size=512, intermediate_size=15
 
 @pytest.mark.heavy
 def test_analytic_flops_match_xlas_count_on_loop_free_programs():
-  spec = plan.PlanSpec(model=MODEL, model_name="one layer", mesh_axes={"data": 1, "fsdp": 1,
-                                                                         "tensor": 1},
-                       micro_batch=4, seq_len=256, remat="none", dtype="float32",
-                       sampling_dtype="float32",  # no per-step cast of the weights to count
-                       reference=True, dialogues=4, cache_len=256, prefill_chunk=64)
+  # The sampler decodes from the float32 training weights: no per-step cast of them to count.
+  run = plan.run_from_settings(mesh_axes={"data": 1, "fsdp": 1, "tensor": 1}, reference=True,
+                               dtype="float32", remat="none", sampling_dtype="")
+  spec = plan.PlanSpec(run=run, model=MODEL, model_name="one layer", micro_batch=4, seq_len=256,
+                       dialogues=4, cache_len=256, prefill_chunk=64)
   planner = plan._Planner(spec, jax.devices()[:1])
   programs = planner.learner_programs()
-  programs.update(planner.sampler_programs("train", "bounding")[0])
+  programs.update(planner.sampler_plan(1, "train", "bounding").programs)
   layout = costs.Layout(1, 1, 1)
   checked = set()
   for name, program in programs.items():
@@ -44,7 +44,7 @@ def test_analytic_flops_match_xlas_count_on_loop_free_programs():
     tolerance = 0.12 if program.work["kind"] == "decode_rows" else 0.05
     assert model == pytest.approx(xla, rel=tolerance), (name, model, xla)
     checked.add(program.work["kind"])
-  assert checked == {"forward", "update", "prefill_rows", "decode_rows"}
+  assert checked == {"forward", "update", "prefill_rows", "decode_rows", "empty_rows"}
 
 
 def test_full_remat_recomputes_one_forward_pass_and_mfu_counts_none():

@@ -10,11 +10,14 @@ with that reason, and without the CUDA plugin (`.[gpu]`) the GPU test.
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
 import pytest
+from flax import nnx
 
-from models import qwen2, topology
+from models import partitioning, programs, qwen2, topology, weight_copy
 from models.errors import UserInputError
-from rlver_jax import plan
+from rlver_jax import builder, plan
 
 V5P_16 = topology.parse_accelerator_type("v5p-16")
 
@@ -47,10 +50,11 @@ def _has(kernels, prefix):
 def ppo_step(v5p_16):
   """The PPO step with a KL penalty and gradient accumulation: every learner program, the
   weight refresh and every row program a step of this shape can meet."""
-  spec = plan.PlanSpec(model=TINY, model_name="tiny", mesh_axes={"data": 1, "fsdp": -1,
-                                                                  "tensor": 1},
-                       micro_batch=8, seq_len=1024, grad_accum=2, critic=True, reference=True,
-                       dialogues=16, cache_len=512, prefill_chunk=64, row_programs="all")
+  run = plan.run_from_settings(mesh_axes={"data": 1, "fsdp": -1, "tensor": 1}, critic=True,
+                               reference=True, grad_accum=2)
+  spec = plan.PlanSpec(run=run, model=TINY, model_name="tiny", micro_batch=8, seq_len=1024,
+                       grad_accum=2, dialogues=16, cache_len=512, prefill_chunk=64,
+                       row_programs="all")
   return plan.plan(spec, v5p_16, V5P_16.generation)
 
 
@@ -64,7 +68,7 @@ def test_ppo_step_compiles_for_a_two_host_tpu_slice(ppo_step):
   assert {"critic/values", "reference/logprobs", "policy/gradients",
           "policy/accumulate_gradients", "policy/apply_gradients", "critic/gradients",
           "critic/accumulate_gradients", "critic/apply_gradients",
-          "sampler/refresh_weights"} <= names
+          "sampler/copy_weights"} <= names
   rows = [n for n in names if n.startswith(("sampler/prefill_rows", "sampler/decode_rows"))]
   assert len(rows) == result["row_programs"]["possible"] == result["row_programs"]["compiled"]
   # 8 rows a host over fsdp=4: widths 4 and 8; decode over 256 or 512 slots; prefill over 512.
@@ -87,32 +91,46 @@ def test_ppo_step_compiles_for_a_two_host_tpu_slice(ppo_step):
   weights_per_chip = result["unsharded_weights_gib"] / 8
   assert result["programs"]["policy/gradients"]["output_gib"] < 2 * weights_per_chip
   for name, program in result["programs"].items():
-    assert program["compile_s"] > 0 and program["estimated_s"] > 0, name
+    # Zeroing a rollout's cache rows once is not estimated (`costs.program_cost`).
+    assert program["compile_s"] > 0, name
+    assert program["estimated_s"] > 0 or name.startswith("sampler/empty_rows"), name
     assert program["calls"] > 0 or name in rows, name
   assert result["peak_gib"] < result["hbm_gib"] == 95 and result["fits"]
   estimate = result["estimate"]
   assert estimate["step_s"] == pytest.approx(estimate["rollout_s"] + estimate["learner_s"])
   assert 0 < estimate["update_mfu"] < 1 and estimate["decode_tokens_per_s_per_chip"] > 0
+
+
+@pytest.mark.heavy
+def test_the_plan_compares_the_sampling_layouts_and_recommends_one_that_fits(v5p_16):
+  run = plan.run_from_settings(mesh_axes={"data": 1, "fsdp": -1, "tensor": 1}, critic=False)
+  spec = plan.PlanSpec(run=run, model=TINY, model_name="tiny", micro_batch=8, seq_len=1024,
+                       dialogues=16, cache_len=512, prefill_chunk=64, sampling_layout="auto")
+  result = plan.plan(spec, v5p_16, V5P_16.generation)
   layouts = result["sampling_layouts"]
-  assert layouts["recommended"] in ("train", "decode")
-  # The decode layout holds the whole bf16 copy on every chip of a host (fsdp=4 there).
+  assert layouts["recommended"] in ("train", "decode", "tensor")
+  assert result["sampling_layout"] == layouts["recommended"]
+  # The decode layout holds the whole bf16 copy on every chip of a host (fsdp=4 there); the
+  # tensor layout splits heads up to the model's kv heads, which TINY has one of: its host's
+  # 4 chips are data-parallel, each with the whole copy.
   assert layouts["decode"]["copy_gib"] == pytest.approx(4 * layouts["train"]["copy_gib"],
                                                         rel=0.05)
+  assert layouts["tensor"]["sampler_mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+  assert layouts["tensor"]["copy_gib"] == pytest.approx(layouts["decode"]["copy_gib"], rel=0.05)
 
 
 @pytest.mark.heavy
 def test_grpo_step_compiles_with_one_update_program(v5p_16):
   # v6e-16: four hosts of 2x2 chips, host 0 holding device ids 0, 1, 4 and 5; its sampler
-  # programs compile for one host's slice (`topology.one_host`).
+  # programs compile for that host's chips, the weight movement for all 16.
   v6e_16 = topology.parse_accelerator_type("v6e-16")
-  spec = plan.PlanSpec(model=TINY, model_name="tiny", mesh_axes={"data": 2, "fsdp": 8,
-                                                                  "tensor": 1},
-                       micro_batch=16, seq_len=1024, critic=False, cache_len=512,
-                       prefill_chunk=64)
+  run = plan.run_from_settings(mesh_axes={"data": 2, "fsdp": 8, "tensor": 1}, critic=False)
+  spec = plan.PlanSpec(run=run, model=TINY, model_name="tiny", micro_batch=16, seq_len=1024,
+                       cache_len=512, prefill_chunk=64)
   result = plan.plan(spec, topology.slice_devices(v6e_16), v6e_16.generation,
-                     topology.slice_devices(topology.one_host(v6e_16)))
+                     topology.group_devices(v6e_16))
   assert result["device_kind"] == "TPU v6 lite" and result["hosts"] == 4
-  assert set(result["programs"]) >= {"policy/update", "sampler/refresh_weights"}
+  assert set(result["programs"]) >= {"policy/update", "sampler/copy_weights"}
   assert not [n for n in result["programs"] if n.startswith(("critic/", "reference/"))]
   kernels = _kernels(result, "policy/update")
   assert _has(kernels, SPLASH_FORWARD) and all(_has(kernels, k) for k in SPLASH_BACKWARD)
@@ -120,6 +138,58 @@ def test_grpo_step_compiles_with_one_update_program(v5p_16):
   assert result["row_programs"]["compiled"] == 2 < result["row_programs"]["possible"]
   # data=2, fsdp=8 over 4 hosts: each host's sampler mesh keeps fsdp=4.
   assert result["sampler_mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
+
+
+# Weights whose largest tensors are stacked layers (8 x 1024 x 8192, 128 MiB in bf16) and the
+# embedding (32768 x 1024, 64 MiB): a movement that gathered one whole on a chip would show in
+# its temporaries, which are a fraction of that when each chip receives only its share.
+MOVED = qwen2.Qwen2Config(vocab_size=32768, hidden_size=1024, intermediate_size=8192,
+                          num_layers=8, num_heads=8, num_kv_heads=4)
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("layout", ["train", "tensor"])
+@pytest.mark.parametrize("accelerator_type", ["v5p-16", "v6e-16"])
+def test_the_weights_reach_every_hosts_sampler_whatever_the_slices_device_order(
+    accelerator_type, layout):
+  """The weight movement (cast on the training mesh, one reshard onto every host's sampler
+  mesh) compiled by libtpu over a whole slice: v5p-16 (2 hosts, jax.make_mesh orders the
+  chips 0, 4, 2, 6, ...) and v6e-16 (4 hosts, a ring). jit refused the fp32 gather it replaced
+  on both: "Received incompatible devices for jitted computation"."""
+  try:
+    devices = topology.slice_devices(topology.parse_accelerator_type(accelerator_type))
+  except UserInputError as e:
+    pytest.skip(f"no TPU compiler: {e}")
+  run = plan.run_from_settings(mesh_axes={"data": 1, "fsdp": -1, "tensor": 1}, critic=False)
+  run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout, sampling_layout=layout))
+  meshes = builder.run_meshes(run, MOVED.num_kv_heads, 1, devices, process=0)
+  hosts = len({d.process_index for d in devices})
+  assert meshes.num_groups == hosts and all(len(meshes.processes(g)) == 1 for g in range(hosts))
+  assert sorted(d.id for d in meshes.order) == sorted(d.id for d in devices)
+  assert dict(meshes.sampler_mesh.shape) == (
+      {"data": 1, "fsdp": 4, "tensor": 1} if layout == "train" else
+      {"data": 1, "fsdp": 1, "tensor": 4})
+  with partitioning.mesh_context(meshes.train):
+    model = nnx.eval_shape(lambda: qwen2.Qwen2(MOVED, dtype=jnp.bfloat16,
+                                               param_dtype=jnp.float32, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  params = programs.abstract(state, partitioning.state_shardings(state, meshes.train))
+  copy = weight_copy.sampler_copy(graphdef, params, jnp.bfloat16, layout, meshes, None)
+  movement = copy.program(params)
+  assert movement.mesh.devices.size == len(devices)  # every chip of every host
+  result = plan.compile_program(movement)
+  parameters = sum(x.size for x in jax.tree.leaves(params))
+  share_gib = parameters * 2 / 4 / 2 ** 30  # a chip's quarter of its group's bf16 copy
+  assert programs.device_gib(copy.abstract) == pytest.approx(share_gib, rel=0.01)
+  # In: the chip's fp32 shards of the training weights and its previous copy (donated, so the
+  # new copy is written over it).
+  assert result["argument_gib"] == pytest.approx(parameters * 4 / len(devices) / 2 ** 30 +
+                                                 share_gib, rel=0.01)
+  assert result["output_gib"] == pytest.approx(share_gib, rel=0.01)
+  # No chip gathers fp32 weights or a whole stacked tensor: the temporaries stay near the
+  # chip's share (measured: 1.06 of it on v5p-16 in the train layout, 0.76 tensor-parallel,
+  # near 0 on v6e-16). One stacked tensor gathered whole would add 0.125 GiB, 0.9 of the share.
+  assert result["temp_gib"] < 1.2 * share_gib, (result["temp_gib"], share_gib)
 
 
 def test_accelerator_types_name_their_slices(v5p_16):
@@ -156,14 +226,14 @@ def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path, v5p_16):
   config.rollout.max_dialogue_tokens = 1000
   config.rl.kl_coef = 0.01  # an override: the reference pass joins the plan
   spec = plan.spec_from_config(config)
-  assert (spec.model.num_layers, spec.micro_batch, spec.grad_accum, spec.seq_len) == (1, 8, 4,
-                                                                                       1024)
+  assert (spec.model.num_layers, spec.grad_accum, spec.seq_len) == (1, 4, 1024)
   assert spec.critic and spec.reference and spec.sampling_layout == "train"
   result = plan.plan(dataclasses.replace(spec, cache_len=512, prefill_chunk=64), v5p_16,
                      V5P_16.generation)
   assert {"policy/gradients", "policy/accumulate_gradients", "policy/apply_gradients",
           "reference/logprobs"} <= set(result["programs"])
   assert result["programs"]["policy/gradients"]["calls"] == 4
+  assert result["micro_batch"] == 8  # the trainer's: 32 dialogues, 4 micro-batches
 
 
 @pytest.mark.heavy
@@ -199,9 +269,9 @@ def test_a_step_compiles_for_eight_h200s_with_cudnn_attention():
     devices = topology.slice_devices(h200)
   except UserInputError as e:
     pytest.skip(f"no GPU compiler: {e}")
-  spec = plan.PlanSpec(model=TINY, model_name="tiny", mesh_axes={"data": 1, "fsdp": -1,
-                                                                  "tensor": 1},
-                       micro_batch=8, seq_len=1024, cache_len=512, prefill_chunk=64)
+  run = plan.run_from_settings(mesh_axes={"data": 1, "fsdp": -1, "tensor": 1})
+  spec = plan.PlanSpec(run=run, model=TINY, model_name="tiny", micro_batch=8, seq_len=1024,
+                       cache_len=512, prefill_chunk=64)
   result = plan.plan(spec, devices, h200.generation)
   assert result["platform"] == "gpu" and result["device_kind"] == "NVIDIA H200 141GB HBM3e"
   for name in ("critic/values", "policy/update", "critic/update"):

@@ -1,5 +1,8 @@
 """The trainer on several JAX processes (127.0.0.1, gloo on CPU) against one process."""
 
+import ast
+import glob
+import json
 import os
 import signal
 import subprocess
@@ -19,7 +22,8 @@ from rl.rollout import Rollout
 from rlver_jax import multihost, watchdog
 from sim_user import profiles
 from tests import ROOT
-from tests.processes import communicate_all, distributed_envs, launch, log_of, run_all, wait
+from tests.processes import (SMALL_DEMO_FLAGS, communicate_all, distributed_envs, launch, log_of,
+                             logs_of, run_all, wait)
 from tests.runs import read_metrics
 
 
@@ -44,17 +48,52 @@ def test_a_rows_tokens_follow_its_id_not_its_batch():
   assert other_ids.tokens != together.tokens
 
 
+# One mini-batch a step: with the demo's two, each host's half of the rows makes up the
+# mini-batches differently from one host's order (not yet made the same).
+ONE_UPDATE = ("--config.steps=2", "--config.optim.num_minibatches=1")
+
+
+@pytest.fixture(scope="module")
+def one_process_of_four(tmp_path_factory):
+  """The demo's metrics on one process of four devices."""
+  one = str(tmp_path_factory.mktemp("one") / "run")
+  run_all(one, 1, 4, *ONE_UPDATE)
+  return read_metrics(one)
+
+
+def project_functions() -> set[str]:
+  """The names of the functions (not methods) the project defines: a compiled program named
+  like one is the project's; others are JAX's own (eager operations, `jax.random`'s)."""
+  names = set()
+
+  def visit(node, in_class: bool) -> None:
+    for child in ast.iter_child_nodes(node):
+      if isinstance(child, ast.FunctionDef):
+        if not in_class:
+          names.add(child.name)
+        visit(child, False)
+      else:
+        visit(child, in_class or isinstance(child, ast.ClassDef))
+
+  for room in ("models", "rl", "rlver_jax", "sim_user"):
+    for path in glob.glob(os.path.join(ROOT, room, "*.py")):
+      with open(path) as f:
+        visit(ast.parse(f.read()), False)
+  return names
+
+
 @pytest.mark.heavy
-def test_two_processes_of_two_devices_match_one_of_four(tmp_path):
-  """Two whole runs, one of one process and one of two (each about a minute on 2 cores, most
-  of it JAX start-up and compiling for its own devices): the comparison is the test."""
-  one, two = str(tmp_path / "one"), str(tmp_path / "two")
-  # One mini-batch a step: with the demo's two, each host's half of the rows makes up the
-  # mini-batches differently from one host's order (not yet made the same).
-  one_update = ("--config.steps=2", "--config.optim.num_minibatches=1")
-  run_all(one, 1, 4, *one_update)
-  run_all(two, 2, 2, *one_update)
-  a, b = read_metrics(one), read_metrics(two)
+@pytest.mark.parametrize("sampler_hosts", ["1", "2"],
+                         ids=["a sampler group per host", "one sampler group over both"])
+def test_two_processes_of_two_devices_match_one_of_four(tmp_path, one_process_of_four,
+                                                        sampler_hosts):
+  two, compiles = str(tmp_path / "two"), tmp_path / "compiles.json"
+  procs = launch(two, 2, 2, *ONE_UPDATE, f"--config.rollout.sampler_hosts={sampler_hosts}",
+                 program=("tests.rlver_jax.recording_main", *SMALL_DEMO_FLAGS),
+                 extra_env={"RLVER_COMPILES": str(compiles)})
+  codes = wait(procs)
+  assert codes == [0, 0], logs_of(two, 2)
+  a, b = one_process_of_four, read_metrics(two)
   assert [r["step"] for r in b] == [1, 2]  # one metrics file, written once
   for ra, rb in zip(a, b):
     for key in ("samples", "tokens/generated"):
@@ -70,6 +109,17 @@ def test_two_processes_of_two_devices_match_one_of_four(tmp_path):
                                  err_msg=f"step {ra['step']} {key}")
   assert os.path.exists(os.path.join(two, "export", "config.json"))
   assert os.listdir(os.path.join(two, "checkpoints"))
+  # The guard: every program of the project the steps compiled is one the planner compiles
+  # for the same config on the same devices.
+  record = json.loads(compiles.read_text())
+  assert record["hosts_per_group"] == int(sampler_hosts)
+  dispatched = set(record["trained"]) & project_functions()
+  expected = {"update", "critic_values", "_prefill_rows", "_decode_rows", "empty_rows"}
+  expected |= {"_group_broadcast"} if sampler_hosts == "2" else {"rewritten"}
+  assert expected <= dispatched, dispatched  # the record sees the step's programs
+  assert not dispatched - set(record["planned"]), (
+      f"the trainer compiled {sorted(dispatched - set(record['planned']))}, which the planner "
+      f"does not plan (it compiles {record['planned']})")
 
 
 # SIGKILL: the lost host's sockets close; SIGSTOP: it hangs, its sockets stay open and
@@ -132,6 +182,48 @@ def test_the_tpu_launcher_variable_starts_jax_distributed(monkeypatch):
   monkeypatch.setenv("RLVER_MULTIHOST", "1")
   assert sharding.maybe_initialize_distributed()
   assert calls == [{"heartbeat_timeout_seconds": 15, "shutdown_timeout_seconds": 15}]
+
+
+REFRESHED_COPY = textwrap.dedent("""
+    import dataclasses, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from flax import nnx
+    from jax.experimental import multihost_utils
+    from models import qwen2, weight_copy
+    from rlver_jax import builder, plan, sharding
+    assert sharding.maybe_initialize_distributed()
+    path, layout = sys.argv[1:]
+    run = plan.run_from_settings(mesh_axes={"data": 1, "fsdp": -1, "tensor": 1}, critic=False)
+    run = dataclasses.replace(run, rollout=dataclasses.replace(run.rollout,
+                                                               sampling_layout=layout))
+    meshes = builder.run_meshes(run, qwen2.read_config(path).num_kv_heads, 1)
+    graphdef, state = nnx.split(qwen2.from_pretrained(path, mesh=meshes.train))
+    copy = weight_copy.sampler_copy(graphdef, state, jnp.bfloat16, layout, meshes, None)
+    copy.make(jax.tree.map(lambda x: x + 1, state))  # the weights before a step
+    refreshed = copy.refresh(state)  # as after every step: the previous copy donated
+    # What the copy should hold: the training weights gathered whole, cast here.
+    whole = jax.tree.map(lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
+                         state)
+    _, _, cast = weight_copy.decoding_copy(graphdef, whole, jnp.bfloat16, copy.as_list)
+    leaves, expected = jax.tree.leaves(refreshed), jax.tree.leaves(cast(whole))
+    assert len(leaves) == len(expected) > 0
+    for got, want in zip(leaves, expected):
+      assert got.sharding.device_set == set(jax.local_devices()), got.sharding  # this host's
+      assert got.dtype == want.dtype and np.array_equal(np.asarray(got), np.asarray(want))
+    print("bitwise equal:", len(leaves), "arrays on", jax.local_device_count(), "chips")
+""")
+
+
+@pytest.mark.parametrize("layout", ["train", "tensor"])
+def test_each_hosts_sampler_holds_the_training_weights_cast_bitwise_after_a_refresh(
+    tiny_checkpoint, layout):
+  procs = [subprocess.Popen(
+      [sys.executable, "-c", REFRESHED_COPY, tiny_checkpoint, layout], cwd=ROOT, text=True,
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+      for env in distributed_envs(2, 2)]
+  outputs = communicate_all(procs)
+  assert [p.returncode for p in procs] == [0, 0], outputs
+  assert all("bitwise equal:" in out for out in outputs), outputs
 
 
 ONE_HOST_FAILS = textwrap.dedent("""
