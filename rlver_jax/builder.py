@@ -170,10 +170,11 @@ class TrainingModels:
     return self.learners.critic
 
 
-def training_models(config, policy_path: str, hosts: multihost.Hosts) -> TrainingModels:
+def training_models(config, policy_path: str, hosts: multihost.Hosts,
+                    tokenizer) -> TrainingModels:
   """The learners on the training mesh and the sampler on this host's sampler group's mesh;
-  the policy (and by default the critic) from checkpoint directory `policy_path`."""
-  tokenizer = pretrained.load_tokenizer(policy_path)
+  the policy (and by default the critic) from checkpoint directory `policy_path`, whose
+  checked tokenizer (`pretrained.load_tokenizer`) is `tokenizer`."""
   p = config.policy
 
   def load(model_cls, role, remat):

@@ -34,7 +34,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 from tqdm import tqdm
 
-from models import host_metrics, qwen2
+from models import host_metrics, pretrained, qwen2
 from rl import keys
 from rl import rollout as rollout_lib
 from rl.step import TrainingError
@@ -173,13 +173,16 @@ class Trainer:
         config, multihost.local_mesh(dataclasses.asdict(config.mesh)))
     self.policy_path = policy_path = (tiny.demo_policy(config) if config.policy.tiny_init
                                       else config.policy.checkpoint)
+    # The tokenizer first: a checkpoint without one fails naming it, before its config.json
+    # is read for the meshes.
+    tokenizer = pretrained.load_tokenizer(policy_path)
     self.hosts = multihost.Hosts(builder.run_meshes(
         config, qwen2.read_config(policy_path).num_kv_heads,
         builder.hosts_per_group(config, policy_path)))
     # On several devices, the background rollout and the update take turns on them.
     self.turns = off_policy.DeviceTurns(
         enabled=bool(self.off_policy_steps) and self.hosts.train_mesh.devices.size > 1)
-    self.models = builder.training_models(config, policy_path, self.hosts)
+    self.models = builder.training_models(config, policy_path, self.hosts, tokenizer)
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
         simulator_factory.describe(config.sim_user))
