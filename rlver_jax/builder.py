@@ -200,16 +200,14 @@ def algorithm_step(config, models: TrainingModels, hosts: multihost.Hosts,
   """The PPO/GRPO step of `models`' learners: their updates' schedule, and the global batch
   collated over `hosts`; `turns` (`off_policy.DeviceTurns`) shares the devices with a
   rollout collected beside the update."""
-  o = config.optim
+  o, learner_set = config.optim, models.learners
   step_config = step_lib.StepConfig(
       ppo_epochs=o.ppo_epochs, num_minibatches=o.num_minibatches, grad_accum=o.grad_accum,
       data_parallel=hosts.train_data_parallel_size, thinking=config.rollout.thinking,
       dialogues=config.batch_size * config.rollout.samples_per_profile,
-      max_skipped_updates=config.max_skipped_updates,
-      policy_optim=models.learners.policy_optim,
-      critic_optim=models.learners.critic_optim, temperature=config.rollout.temperature)
+      max_skipped_updates=config.max_skipped_updates, policy_optim=learner_set.policy_optim,
+      critic_optim=learner_set.critic_optim, temperature=config.rollout.temperature)
   pad_id = models.tokenizer.pad_token_id or 0
-  learner_set = models.learners
   return step_lib.AlgorithmStep(
       learner_set.policy, learner_set.critic, learner_set.reference, config.rl, step_config,
       collate=lambda samples, batch_multiple: hosts.collate(samples, batch_multiple, pad_id),
