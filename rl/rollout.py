@@ -118,20 +118,24 @@ host_metrics.declare_family("emotion/final/", host_metrics.weighted("emotion/fin
 
 def rollout_metrics(samples: Sequence[Sample], dialogues: Sequence[Dialogue],
                     rules: dynamics.EmotionRules) -> dict:
-  """Rewards, emotions and lengths of a finished batch (dropped dialogues not scored)."""
+  """Rewards, emotions and lengths of a finished batch (dropped dialogues not scored). A mean
+  over nothing (no sample, no kept dialogue) is left out, not 0: the curves show a gap."""
   kept = [d for d in dialogues if not d.dropped]
-  finals = np.array([d.emotion for d in kept]) if kept else np.zeros(1)
-  response_lens = [sum(s.loss_mask) for s in samples] or [0]
   metrics = {
-      "reward/mean": float(np.mean([s.reward for s in samples])) if samples else 0.0,
-      "emotion/final_mean": float(np.mean(finals)),
-      "success_rate": 100.0 * float(np.mean(finals >= 100)),
-      "failure_rate": 100.0 * float(np.mean([dynamics.is_failure(rules, e) for e in finals])),
-      "turns/mean": float(np.mean([d.agent_turns for d in dialogues])),
-      "response_len/mean": float(np.mean(response_lens)),
       "dialogues/simulator_failed": sum(1 for d in dialogues if d.failure and not d.dropped),
       "dialogues/dropped": sum(1 for d in dialogues if d.dropped),
   }
+  if samples:
+    metrics["reward/mean"] = float(np.mean([s.reward for s in samples]))
+    metrics["response_len/mean"] = float(np.mean([sum(s.loss_mask) for s in samples]))
+  if dialogues:
+    metrics["turns/mean"] = float(np.mean([d.agent_turns for d in dialogues]))
+  if kept:
+    finals = np.array([d.emotion for d in kept])
+    metrics["emotion/final_mean"] = float(np.mean(finals))
+    metrics["success_rate"] = 100.0 * float(np.mean(finals >= 100))
+    metrics["failure_rate"] = 100.0 * float(np.mean([dynamics.is_failure(rules, e)
+                                                     for e in finals]))
   for intention in sorted({d.profile.intention for d in kept if d.profile.intention}):
     metrics[f"emotion/final/{intention}"] = float(np.mean(
         [d.emotion for d in kept if d.profile.intention == intention]))

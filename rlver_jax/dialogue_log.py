@@ -189,11 +189,13 @@ OUTPUTS = (("reward curve", "reward_curve.png"), ("metrics", "metrics.jsonl"),
 
 
 def report_outputs(workdir: str, step: int, steps: int, log: DialogueLog | None = None,
-                   written: Collection[str] | None = None, out=None) -> str:
+                   written: Collection[str] | None = None, out=None,
+                   learned: Sequence[str] = ()) -> str:
   """Writes the replies table and prints where the run's outputs are; returns the text.
 
   `written`: the names (of OUTPUTS) this run wrote; the dialogues count when
-  `log` wrote some. None lists every output present in the workdir.
+  `log` wrote some. None lists every output present in the workdir. `learned`: lines
+  that say what the run learned (`metrics.learning_summary`), printed first.
   Call from a `finally:` so that interrupted and failed runs report too.
   """
   table = log.write_table() if log is not None else None
@@ -201,7 +203,7 @@ def report_outputs(workdir: str, step: int, steps: int, log: DialogueLog | None 
     log.close()
   if written is not None:
     written = set(written) | ({"dialogues"} if log is not None and log.wrote else set())
-  lines = [f"run {_ending(step, steps)}; outputs in {os.path.abspath(workdir)}:"]
+  lines = [*learned, f"run {_ending(step, steps)}; outputs in {os.path.abspath(workdir)}:"]
   for name, relative in OUTPUTS:
     path = os.path.join(workdir, relative)
     if os.path.exists(path) and (written is None or name in written):

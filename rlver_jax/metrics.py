@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 
 from absl import logging
@@ -113,6 +114,44 @@ def read_appended_jsonl(path: str) -> list[dict]:
   return records
 
 
+def learning_summary(records: list[dict], window: int = 5) -> list[str]:
+  """What a run learned, for its end-of-run summary: the mean final emotion and success over
+  its first `window` steps against its last (fewer when the run is short), and the final
+  emotion per hidden intention where the profiles have them. Steps without a metric (no
+  scored dialogue) are left out of its means. No lines for fewer than two steps."""
+  n = min(window, len(records) // 2)
+  if not n:
+    return []
+  first, last = records[:n], records[-n:]
+
+  def mean(rows, key):
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values) if values else math.nan
+
+  span = lambda rows: (f"step {rows[0]['step']}" if len(rows) == 1 else
+                       f"steps {rows[0]['step']}-{rows[-1]['step']}")
+  lines = [f"learned: final emotion {mean(first, 'emotion/final_mean'):.1f} -> "
+           f"{mean(last, 'emotion/final_mean'):.1f}, success "
+           f"{mean(first, 'success_rate'):.0f}% -> {mean(last, 'success_rate'):.0f}% "
+           f"({span(first)} against {span(last)})"]
+  intentions = sorted({k for r in records for k in r if k.startswith(INTENTION_PREFIX)})
+  if intentions:
+    lines.append("  final emotion by hidden intention: " + ", ".join(
+        f"{k[len(INTENTION_PREFIX):]} {mean(first, k):.1f} -> {mean(last, k):.1f}"
+        for k in intentions))
+  return lines
+
+
+def moving_mean(values: list[float], window: int) -> list[float]:
+  """The mean of each value and the `window - 1` before it, gaps (NaN) left out; NaN where
+  the window holds only gaps."""
+  out = []
+  for i in range(len(values)):
+    seen = [v for v in values[max(0, i - window + 1):i + 1] if not math.isnan(v)]
+    out.append(sum(seen) / len(seen) if seen else math.nan)
+  return out
+
+
 def curve_panels(records: list[dict], keys=CURVE_KEYS) -> list[tuple[str, dict]]:
   """(title, {key: (steps, values)}) per panel: one per metric present, then the final
   emotion per hidden intention, then the simulator's.
@@ -123,9 +162,10 @@ def curve_panels(records: list[dict], keys=CURVE_KEYS) -> list[tuple[str, dict]]
   panels = []
   series = lambda key: ([r["step"] for r in records if key in r],
                         [r[key] for r in records if key in r])
-  for key in keys:
+  for key in keys:  # a step without the metric (no scored dialogue) is a gap in its line
     if any(key in r for r in records):
-      panels.append((key, {key: series(key)}))
+      panels.append((key, {key: ([r["step"] for r in records],
+                                 [r.get(key, math.nan) for r in records])}))
   intentions = sorted({k for r in records for k in r if k.startswith(INTENTION_PREFIX)})
   if intentions:
     panels.append(("final emotion by hidden intention",
@@ -164,9 +204,7 @@ def curve_figure(records: list[dict], run_name: str, keys=CURVE_KEYS):
       ax.plot(steps, values, marker=".", linewidth=1, label=label if len(lines) > 1 else None)
     if len(lines) == 1 and len(values) >= 5:  # a moving average makes the trend readable
       window = max(2, len(values) // 10)
-      smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-                for i in range(len(values))]
-      ax.plot(steps, smooth, linewidth=2, label=f"mean of last {window}")
+      ax.plot(steps, moving_mean(values, window), linewidth=2, label=f"mean of last {window}")
     if ax.get_legend_handles_labels()[0]:
       ax.legend(loc="best", fontsize=8)
     if title in PERCENT_KEYS:

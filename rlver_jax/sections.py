@@ -115,14 +115,18 @@ class TrainSimUserConfig(SimUserConfig):
   Attributes:
     max_failed_share: more of a step's dialogues failed: not trained on.
     max_failed_steps_in_a_row: steps in a row over max_failed_share that stop the run.
+    min_trained_share: a run that trained on fewer of the steps it ran ends with an error
+      (exit status 1) and exports nothing; its checkpoints stay.
   """
   max_failed_share: float = 0.5
   max_failed_steps_in_a_row: int = 3
+  min_trained_share: float = 0.5
 
   def check(self, p: Problems) -> None:
     super().check(p)
     p.require("max_failed_share", share, "must be a share in [0, 1]")
     p.require("max_failed_steps_in_a_row", at_least(1), "must be >= 1")
+    p.require("min_trained_share", share, "must be a share in [0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

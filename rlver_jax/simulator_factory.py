@@ -68,4 +68,6 @@ def make_simulated_user(cfg, mesh=None, rules: str | None = None, seed: int = 0)
   target_header = "Reason" if rule_set.name == "rlver_train" else "TargetCompletion"
   return SimulatedUser(make_backend(cfg, mesh, seed), rule_set, prompts,
                        max_retries=cfg.parse_retries, on_failure=cfg.on_failure,
-                       target_header=target_header)
+                       target_header=target_header,
+                       # The scripted user's changes come from its own rules, not a prompt.
+                       max_change=None if cfg.backend == "scripted" else cfg.max_change)

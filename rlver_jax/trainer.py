@@ -56,20 +56,26 @@ class SimulatorFailureGuard:
 
   A step is trainable when at most `max_share` of its dialogues failed (ended
   as failed or dropped by the simulator); `max_in_a_row` untrainable steps in a
-  row mean the simulator is down, and `raise_if_down` stops the run.
+  row mean the simulator is down, and `raise_if_down` stops the run; a run that trained on
+  fewer than `min_trained_share` of its steps is not done (`raise_if_mostly_untrained`).
   """
 
-  def __init__(self, max_share: float, max_in_a_row: int, simulator: str, reasons_kept: int = 3):
+  def __init__(self, max_share: float, max_in_a_row: int, simulator: str, reasons_kept: int = 3,
+               min_trained_share: float = 0.0):
     self.max_share, self.max_in_a_row, self.simulator = max_share, max_in_a_row, simulator
+    self.min_trained_share = min_trained_share
     self.in_a_row = 0
+    self.steps, self.trained_steps = 0, 0  # of this run (not counting steps before a resume)
     self.recent_reasons = collections.deque(maxlen=reasons_kept)
 
   def trainable(self, step: int, failure_reasons: list) -> bool:
     """`failure_reasons`: each dialogue's failure reason, None where it did not fail."""
     failures = [reason for reason in failure_reasons if reason]
     share = len(failures) / max(len(failure_reasons), 1)
+    self.steps += 1
     if share <= self.max_share:
       self.in_a_row = 0
+      self.trained_steps += 1
       return True
     self.in_a_row += 1
     self.recent_reasons.extend(failures)
@@ -85,6 +91,16 @@ class SimulatorFailureGuard:
           f"the simulator {self.simulator} failed more than {self.max_share:.0%} of the "
           f"dialogues in {self.in_a_row} steps in a row (sim_user.max_failed_steps_in_a_row="
           f"{self.max_in_a_row}); last failures: {'; '.join(self.recent_reasons)}")
+
+  def raise_if_mostly_untrained(self) -> None:
+    """At the end of a run: raises when it trained on fewer than `min_trained_share` of the
+    steps it ran (a run that trained on nothing is not done)."""
+    if self.steps and self.trained_steps < self.min_trained_share * self.steps:
+      raise SimulatorFailing(
+          f"trained on {self.trained_steps} of the {self.steps} steps this run ran (fewer "
+          f"than sim_user.min_trained_share={self.min_trained_share:g}): the simulator "
+          f"{self.simulator} failed more than {self.max_share:.0%} of the dialogues of the "
+          f"others; nothing exported; last failures: {'; '.join(self.recent_reasons)}")
 
 
 class ProfileOrder:
@@ -185,7 +201,8 @@ class Trainer:
     self.models = builder.training_models(config, policy_path, self.hosts, tokenizer)
     self.simulator_guard = SimulatorFailureGuard(
         config.sim_user.max_failed_share, config.sim_user.max_failed_steps_in_a_row,
-        simulator_factory.describe(config.sim_user))
+        simulator_factory.describe(config.sim_user),
+        min_trained_share=config.sim_user.min_trained_share)
     self.algorithm = builder.algorithm_step(config, self.models, self.hosts, self.turns)
 
     self.step, self.order = 0, ProfileOrder(len(self.profiles), config.seed)
@@ -389,8 +406,10 @@ class Trainer:
         self._run()
     finally:  # also when stopped or interrupted: where the plot, metrics, dialogues, export are
       if self.hosts.primary:
-        dialogue_log.report_outputs(self.config.workdir, self.step, self.config.steps,
-                                    self.dialogue_log, written=self.outputs)
+        dialogue_log.report_outputs(
+            self.config.workdir, self.step, self.config.steps, self.dialogue_log,
+            written=self.outputs, learned=metrics_lib.learning_summary(
+                metrics_lib.read_appended_jsonl(self.metrics.path) if self.metrics else []))
       self.close()
 
   def _plot(self) -> str | None:
@@ -426,20 +445,23 @@ class Trainer:
           self._stop(signal_name)
         sim_failed = step_metrics["dialogues/simulator_failed"] + step_metrics["dialogues/dropped"]
         bar.update(1)
-        bar.set_postfix(reward=f"{step_metrics['reward/mean']:.2f}",
-                        emotion=f"{step_metrics['emotion/final_mean']:.1f}",
+        # A step without scored dialogues has no reward or emotion (a gap, not a 0).
+        shown = lambda key, spec: format(step_metrics[key], spec) if key in step_metrics else "-"
+        bar.set_postfix(reward=shown("reward/mean", ".2f"),
+                        emotion=shown("emotion/final_mean", ".1f"),
                         sim_fail=sim_failed, s_per_step=f"{step_metrics['time/step']:.1f}")
         if self.step % config.log_every == 0:
-          logging.info("step %d: reward %.3f, final emotion %.1f, turns %.1f, %.1f tok/s, "
-                       "%d simulator failure(s)", self.step, step_metrics["reward/mean"],
-                       step_metrics["emotion/final_mean"], step_metrics["turns/mean"],
-                       step_metrics["tokens_per_s"], sim_failed)
+          logging.info("step %d: reward %s, final emotion %s, turns %s, %s tok/s, "
+                       "%d simulator failure(s)", self.step, shown("reward/mean", ".3f"),
+                       shown("emotion/final_mean", ".1f"), shown("turns/mean", ".1f"),
+                       shown("tokens_per_s", ".1f"), sim_failed)
         self.simulator_guard.raise_if_down()
     finally:  # a run that stops still leaves its last checkpoint whole
       self._drop_prefetch()  # a failed run's rollout collected ahead (a finished run has none)
       bar.close()
       self.checkpoints.wait_until_finished()
     plot = self._plot()
+    self.simulator_guard.raise_if_mostly_untrained()  # before the export: nothing learned
     if config.checkpoint.export_at_end:
       export = os.path.join(config.workdir, "export")
       qwen2.save_pretrained(self.models.policy.model(), export)

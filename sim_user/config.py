@@ -38,6 +38,10 @@ class SimUserConfig(config_section.Section):
       as reward 0; the training rules' choice) | end_failed (ended, listed unscored; the
       benchmark's).
     max_agent_turns: 0: the rules' own (rlver_train: 9, last judged; sage: 10, last not).
+    max_change: openai, flax: the largest |Change| the prompts ask for (ours: -10 to +10). A
+      larger answer is clamped to it, as SAGE's benchmark clips every change, counted in
+      sim/change_clamped and warned about once. The scripted user's rules keep their own
+      range (up to +20).
   """
   backend: str = "openai"
   base_url: str = ""
@@ -58,6 +62,7 @@ class SimUserConfig(config_section.Section):
   parse_retries: int = 2
   on_failure: str = DROP
   max_agent_turns: int = 0
+  max_change: int = 10
 
   def check(self, p: config_section.Problems) -> None:
     p.one_of("backend", BACKENDS)
@@ -68,6 +73,8 @@ class SimUserConfig(config_section.Section):
     p.require("parse_retries", config_section.at_least(0), "must be >= 0")
     p.require("max_agent_turns", config_section.at_least(0),
               "agent replies per dialogue; must be >= 0 (0: the rule set's own limit)")
+    p.require("max_change", config_section.at_least(1), "the largest |Change| a simulator "
+              "answer may give; must be >= 1")
     if not redact.is_env_var_name(self.api_key_env):
       p.add(redact.api_key_env_error(f"{p.prefix}api_key_env"))  # likely the key: never echoed
     if self.backend == "openai":

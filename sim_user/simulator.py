@@ -21,6 +21,8 @@ import re
 import threading
 from typing import Callable, Sequence
 
+from absl import logging
+
 from models import host_metrics
 from sim_user import dynamics, parser
 from sim_user.backends.base import OPENING, PLANNING, REPLY, Backend, BackendError, SimRequest
@@ -75,7 +77,7 @@ class SimulatedUser:
   def __init__(self, backend: Backend, emotion_rules: dynamics.EmotionRules, prompts: PromptSet, *,
                max_retries: int = 2, on_failure: str = END_FAILED,
                goodbye_phrases: Sequence[str] = DEFAULT_GOODBYES,
-               target_header: str = "TargetCompletion"):
+               target_header: str = "TargetCompletion", max_change: int | None = None):
     if on_failure not in (END_FAILED, DROP):
       raise ValueError(f"on_failure must be {END_FAILED!r} or {DROP!r}, got {on_failure!r}")
     if max_retries < 0:
@@ -86,6 +88,10 @@ class SimulatedUser:
     self.max_retries = max_retries
     self.on_failure = on_failure
     self.target_header = target_header
+    if max_change is not None and max_change < 1:
+      raise ValueError(f"max_change must be >= 1 or None, got {max_change}")
+    self.max_change = max_change
+    self._warned_clamp = False
     words = "|".join(re.escape(p) for p in goodbye_phrases)
     self._goodbye_re = re.compile(rf"(?<![A-Za-z])(?:{words})(?![A-Za-z])", re.IGNORECASE)
     self.metrics: collections.Counter = collections.Counter()
@@ -145,7 +151,7 @@ class SimulatedUser:
       if isinstance(planning, str):
         self._fail(d, planning)
         continue
-      d.emotion = dynamics.update(self.emotion_rules, d.emotion, planning.change)
+      d.emotion = dynamics.update(self.emotion_rules, d.emotion, self._bounded(planning.change))
       d.emotions.append(d.emotion)
       judged.append((d, planning))
 
@@ -165,6 +171,22 @@ class SimulatedUser:
                                          self.says_goodbye(reply.response))
       if d.end_reason:
         self._count(f"sim/end/{d.end_reason}")
+
+  def _bounded(self, change: int) -> int:
+    """`change` within [-max_change, max_change]: an answer past the range the prompts ask
+    for is clamped to it, as SAGE's benchmark clips every change, and counted (a simulator
+    answering +250 would otherwise end every dialogue at 100, reward 1.0)."""
+    if self.max_change is None or abs(change) <= self.max_change:
+      return change
+    self._count("sim/change_clamped")
+    bounded = max(-self.max_change, min(self.max_change, change))
+    with self._lock:
+      warn, self._warned_clamp = not self._warned_clamp, True
+    if warn:
+      logging.warning("the simulator answered an emotion change of %+d, outside the prompts' "
+                      "range [-%d, %d]: clamped to %+d (counted in sim/change_clamped; this "
+                      "warning is given once)", change, self.max_change, self.max_change, bounded)
+    return bounded
 
   # Calls, retries and fallbacks.
 

@@ -2,6 +2,7 @@
 
 import io
 import json
+import math
 import os
 
 import pytest
@@ -123,3 +124,24 @@ def test_reward_curve_has_a_panel_of_final_emotion_per_intention(tmp_path):
   path.write_text("".join(json.dumps(r) + "\n" for r in records))
   assert metrics_lib.plot_curves(str(path), str(tmp_path / "curve.png"))
   assert os.path.getsize(tmp_path / "curve.png") > 0
+
+
+def test_a_step_without_scored_dialogues_is_a_gap_in_the_curves_not_a_zero(tmp_path):
+  records = [{"step": 1, "reward/mean": 0.1}, {"step": 2}, {"step": 3, "reward/mean": 0.3}]
+  [(title, lines)] = metrics_lib.curve_panels(records, keys=("reward/mean",))
+  steps, values = lines["reward/mean"]
+  assert steps == [1, 2, 3] and values[0] == 0.1 and math.isnan(values[1]) and values[2] == 0.3
+  assert metrics_lib.moving_mean([1.0, math.nan, 3.0, math.nan], 2) == [1.0, 1.0, 3.0, 3.0]
+  assert math.isnan(metrics_lib.moving_mean([math.nan], 2)[0])
+
+
+def test_the_summary_says_what_the_run_learned_first_steps_against_last():
+  records = [{"step": s, "emotion/final_mean": 10.0 * s, "success_rate": 5.0 * s,
+              "emotion/final/get_advice": 20.0 * s} for s in range(1, 13)]
+  records[-1] = {"step": 12}  # no scored dialogue: left out of the means
+  [overall, by_intention] = metrics_lib.learning_summary(records)
+  assert overall == ("learned: final emotion 30.0 -> 95.0, success 15% -> 48% "
+                     "(steps 1-5 against steps 8-12)")
+  assert by_intention == "  final emotion by hidden intention: get_advice 60.0 -> 190.0"
+  assert metrics_lib.learning_summary(records[:1]) == []
+  assert metrics_lib.learning_summary(records[:2])[0].endswith("(step 1 against step 2)")

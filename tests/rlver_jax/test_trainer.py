@@ -113,24 +113,34 @@ def test_killed_run_redoes_only_the_step_in_flight(tmp_path):
   assert after[:resumed_at] == before[:resumed_at]  # steps before the checkpoint: kept, not redone
 
 
-def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, serve, capsys):
+# Two steps whose dialogues all fail: the second stops the run (two in a row), or the run
+# ends after them and is not done (it trained on none of its steps).
+@pytest.mark.parametrize("steps,in_a_row,why", [
+    (5, 2, r"in 2 steps in a row"), (2, 3, r"trained on 0 of the 2 steps this run ran")],
+    ids=["down", "ended untrained"])
+def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, serve, capsys,
+                                                                   steps, in_a_row, why):
   server = serve([])
   config = small_demo(tmp_path / "run", **{
       "data.train_profiles": profiles_file(tmp_path / "profiles.jsonl", " ALWAYS_500"),
       "sim_user.backend": "openai", "sim_user.base_url": server.url, "sim_user.http_retries": 0,
       "sim_user.backoff_s": 0.01, "sim_user.timeout_s": 5.0, "sim_user.parse_retries": 0,
-      "sim_user.max_failed_steps_in_a_row": 2})
-  config.steps = 5
+      "sim_user.max_failed_steps_in_a_row": in_a_row})
+  config.steps = steps
   run = trainer.Trainer(config)
   initial = np.asarray(jax.tree.leaves(run.models.policy.params)[0])
-  with pytest.raises(trainer.SimulatorFailing) as error:
+  with pytest.raises(trainer.SimulatorFailing, match=why) as error:
     run.run()
   assert server.url in str(error.value) and "http_500" in str(error.value)
-  assert "sim_fail=4" in capsys.readouterr().err  # the progress bar
+  printed = capsys.readouterr()
+  assert "sim_fail=4" in printed.err  # the progress bar
+  assert "stopped by SimulatorFailing at step 2/" in printed.out  # not "run done"
   records = read_metrics(tmp_path / "run")
   assert [r["step"] for r in records] == [1, 2]
   assert all(r["untrained/simulator"] == 1 and "pg_loss" not in r and
              r["dialogues/simulator_failed"] + r["dialogues/dropped"] == 4 for r in records)
+  # Nothing was scored: no reward or emotion (gaps in the curves), not zeros.
+  assert not any(key in r for r in records for key in metrics_lib.CURVE_KEYS)
   np.testing.assert_array_equal(np.asarray(jax.tree.leaves(run.models.policy.params)[0]), initial)
   assert not (tmp_path / "run" / "export").exists()
 

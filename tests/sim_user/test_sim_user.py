@@ -537,3 +537,39 @@ def test_replay_names_a_broken_record(tmp_path, capsys):
   path.write_text(json.dumps({"history": [{"role": "user", "planning": {"change": "lots"}}]}) + "\n")
   assert replay.main([str(path)]) == 2
   assert f"{path}:1: history[0]" in capsys.readouterr().err
+
+
+class OverreachingBackend:
+  """A simulator that judges every reply `Change: +250` (or `-250`), then answers politely."""
+
+  def __init__(self, change: str):
+    self.change = change
+
+  def complete(self, requests):
+    return [f"Change:\n{self.change}\n" if r.kind == "planning" else "Response:\nI see."
+            for r in requests]
+
+
+@pytest.mark.parametrize("change,emotions", [("+250", [30, 40, 50]), ("-250", [30, 20, 10])])
+def test_a_change_past_the_prompts_range_is_clamped_counted_and_warned_once(change, emotions,
+                                                                             caplog):
+  from rlver_jax import simulator_factory
+  from sim_user.config import SimUserConfig
+  cfg = SimUserConfig(base_url="http://127.0.0.1:9/v1", language="en")
+  assert simulator_factory.make_simulated_user(cfg).max_change == 10  # the prompts' range
+  user = make_user(OverreachingBackend(change), max_change=cfg.max_change)
+  [d] = user.start([demo("be_listened_to")])
+  for _ in range(2):
+    user.respond([d], ["I hear you."])
+  assert d.emotions == emotions and not d.done  # not 100 with reward 1.0 at the first reply
+  assert d.history[-1]["planning"]["change"] == int(change)  # what it said, kept
+  assert user.metrics["sim/change_clamped"] == 2
+  warnings = [r for r in caplog.records if "sim/change_clamped" in r.getMessage()]
+  assert len(warnings) == 1 and f"{int(change):+d}" in warnings[0].getMessage()
+
+
+def test_the_scripted_users_own_changes_are_not_bounded_by_the_prompts_range():
+  from rlver_jax import simulator_factory
+  from sim_user.config import SimUserConfig
+  cfg = SimUserConfig(backend="scripted", language="en")
+  assert simulator_factory.make_simulated_user(cfg).max_change is None  # it moves up to +20
