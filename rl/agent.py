@@ -121,10 +121,11 @@ class Agent:
     return self.formatter.tokenizer.decode(list(tokens[:-1] if ended else tokens),
                                            skip_special_tokens=False)
 
-  def _count(self, i: int, tokens: Sequence[int], ended: bool) -> None:
+  def _count(self, dialogue: Dialogue, i: int, tokens: Sequence[int], ended: bool) -> None:
     self.agent_tokens[i] += len(tokens)
     self.generated_turns += 1
     self.cut_off_turns += not ended
+    dialogue.replies_cut_off += not ended  # the evaluation's record keeps its own
 
 
 class _Sequence:
@@ -180,7 +181,7 @@ class CachedDialogues(Agent):
     self._sequences[i].feed(list(fed))
     self._sequences[i].generated(list(tokens), logprobs)
     self._reply_ended[i] = ended
-    self._count(i, tokens, ended)
+    self._count(dialogue, i, tokens, ended)
     return self.text(tokens, ended)
 
   def samples(self, dialogues, groups, reward):
@@ -234,7 +235,7 @@ class ThinkingTurns(Agent):
                     dialogue=i)
     self._turns.append(_ThinkingTurn(sample, dialogue.agent_turns,
                                      split_thinking(text).well_formed))
-    self._count(i, tokens, ended)
+    self._count(dialogue, i, tokens, ended)
     return text
 
   def samples(self, dialogues, groups, reward):

@@ -60,7 +60,7 @@ def sage_record(d: Dialogue) -> dict:
           "emo_state": f"Emotion-{dynamics.emotion_state(d.emotion)}", "target": "eq",
           "player": p.player, "scene": p.scene, "character": p.main_cha, "topic": p.topic,
           "task": p.task, "end_reason": d.end_reason, "history": d.history,
-          "failure": d.failure}
+          "failure": d.failure, "agent_turns_cut_off": d.replies_cut_off}
 
 
 def emotion_trajectory(record: dict) -> list[float]:
@@ -83,6 +83,10 @@ def summarize(records: Sequence[dict], profiles_by_id: dict, settings: dict,
   summary["end_reasons"] = dict(collections.Counter(r["end_reason"] for r in scored))
   agent_turns = [sum(turn["role"] == "assistant" for turn in r["history"]) for r in scored]
   summary["mean_agent_turns"] = (sum(agent_turns) / len(scored)) if scored else 0
+  # Agent turns that hit max_new_tokens (stop reason "length"), of the scored dialogues.
+  summary["agent_turns_generated"] = sum(agent_turns)
+  summary["agent_turns_cut_off"] = sum(r.get("agent_turns_cut_off", 0) for r in scored)
+  summary["cut_off_rate"] = 100.0 * summary["agent_turns_cut_off"] / max(sum(agent_turns), 1)
   summary["failed"] = [{"id": r["id"], "reason": r["failure"]} for r in records if r.get("failure")]
   summary["n_failed"] = len(summary["failed"])
   summary["retries_succeeded"] = simulator_events.get(RETRIES_SUCCEEDED, 0)
@@ -164,7 +168,6 @@ def _evaluate(config: sections.EvalRun, config_dict) -> dict:
   if primary:
     _write_records(results_path, list(by_id.values()))
   events = dict(earlier_events)
-  turn_counts = collections.Counter()  # agent turns generated / cut off by max_new_tokens
   results_file = open(results_path, "a", **WRITE_TEXT) if primary else None
   with tqdm(total=len(profiles), initial=len(profiles) - len(todo), unit="dialogue",
             desc="eval", disable=not primary) as bar:
@@ -177,9 +180,6 @@ def _evaluate(config: sections.EvalRun, config_dict) -> dict:
                                  first_profile=share.start
                                  ) if share else None
       records = multihost.gather_records([sage_record(d) for d in mine.dialogues] if mine else [])
-      turn_counts.update(multihost.sum_counts({
-          key: mine.metrics[f"agent_turns/{key}"] if mine else 0
-          for key in ("generated", "cut_off")}))
       events = dict(collections.Counter(earlier_events)
                     + collections.Counter(multihost.sum_counts(user.metrics)))
       for record in records:
@@ -208,10 +208,8 @@ def _evaluate(config: sections.EvalRun, config_dict) -> dict:
               "temperature": e.temperature, "top_p": e.top_p, "top_k": e.top_k,
               "max_new_tokens": e.max_new_tokens, "dtype": config.policy.dtype,
               "seed": config.seed}
+  # From the records, resumed ones included: a rerun changes only what it recomputed.
   summary = summarize(records, {p.id: p for p in profiles}, settings, events)
-  summary["agent_turns_generated"] = turn_counts["generated"]  # in this run, not resumed ones
-  summary["agent_turns_cut_off"] = turn_counts["cut_off"]  # stop reason "length"
-  summary["cut_off_rate"] = 100.0 * turn_counts["cut_off"] / max(turn_counts["generated"], 1)
   _write_json(os.path.join(config.workdir, "summary.json"), summary)
   summary["plots"] = plot(records, config.workdir)
   logging.info("score %.2f, success %.1f%%, failure %.1f%% over %d dialogues (%d failed for "

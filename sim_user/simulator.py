@@ -52,6 +52,7 @@ class Dialogue:
   end_reason: str | None = None
   failure: str | None = None  # infrastructure failure that ended it
   dropped: bool = False  # excluded from training and scoring
+  replies_cut_off: int = 0  # agent replies that hit max_new_tokens (counted by the agent)
 
   @property
   def done(self) -> bool:

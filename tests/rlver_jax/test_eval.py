@@ -125,6 +125,10 @@ def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatc
   assert ran == ["broken"]
   assert _read_results(workdir) == records  # the same records, in profile order
   assert (rerun["n"], rerun["n_failed"], rerun["score"]) == (3, 1, summary["score"])
+  # Recomputed from the kept records, not from this run's turns (none scored): unchanged.
+  for key in ("agent_turns_generated", "agent_turns_cut_off", "cut_off_rate"):
+    assert rerun[key] == summary[key], key
+  assert summary["cut_off_rate"] > 0  # 6 new tokens cut some of the tiny policy's replies
   assert rerun["simulator_events"]["sim/backend_errors/http_500"] == 2 * http_500s  # summed
 
 
