@@ -8,9 +8,11 @@ import ml_collections
 
 from rlver_jax import sections
 
-VARIANTS = ("",)  # no variants: get_config takes no argument
+VARIANTS = ("",)  # no variants
 
 
-def get_config() -> ml_collections.ConfigDict:
+def get_config(arg: str = "") -> ml_collections.ConfigDict:
   """`rlver_jax/sections.py:RetentionRun`'s defaults."""
+  if arg not in VARIANTS:
+    raise ValueError(f"unknown config variant {arg!r}; this config has none: drop ':{arg}'")
   return sections.config_dict(sections.RetentionRun())

@@ -71,8 +71,13 @@ def check_override_names(argv: list[str], default_file: str) -> None:
     raise UserInputError(f"--config: no config file {config_file!r}")
   try:
     config = ConfigFileFlagParser("config").parse(chosen)
-  except (TypeError, ValueError):  # a variant get_config refuses: --config's parse reports it
-    return
+  except (TypeError, ValueError) as e:
+    # The configs refuse a variant with a ValueError that lists theirs. ml_collections re-raises
+    # it with its traceback as text, so its own message is the one it replaced.
+    refusal = e.__context__
+    if ":" in chosen and isinstance(refusal, ValueError):
+      raise UserInputError(f"--config={chosen}: {refusal}") from None
+    return  # any other failure: --config's parse reports it, with its traceback
   names = [name for name, _ in dotted_fields(config)]
   config_index = _config_flag_index(argv)
   for i, arg in enumerate(argv):

@@ -28,6 +28,7 @@ from models.errors import UserInputError
 from models.sampling import SamplingParams
 from rl import keys
 from rlver_jax import builder
+from sim_user.jsonl import json_error_at
 
 
 class InputError(UserInputError):
@@ -81,7 +82,7 @@ def _request_ids(line: str, formatter: ChatFormatter, vocab_size: int) -> list[i
   try:
     obj = json.loads(line)
   except json.JSONDecodeError as e:
-    raise InputError(f"invalid JSON ({e.msg} at column {e.colno})") from None
+    raise InputError(f"invalid JSON ({json_error_at(e)})") from None
   if not isinstance(obj, dict):
     raise InputError("expected a JSON object")
   keys = [k for k in ("messages", "prompt", "input_ids") if k in obj]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import urllib.parse
 
 from models import config_section
 from sim_user import dynamics, redact, templates
@@ -18,7 +19,8 @@ class SimUserConfig(config_section.Section):
 
   Attributes:
     backend: openai (an HTTP server) | flax (in process) | scripted (rule-based).
-    base_url: openai: the server's OpenAI-compatible URL, e.g. http://localhost:8000/v1.
+    base_url: openai: the server's OpenAI-compatible URL, e.g. http://localhost:8000/v1; no
+      user:password@ in it (refused: the key goes in the variable api_key_env names).
     model: openai: the model name sent with each request.
     api_key_env: the environment variable that holds the key (not the key).
     max_concurrency: openai: requests in flight at once.
@@ -80,6 +82,8 @@ class SimUserConfig(config_section.Section):
     if self.backend == "openai":
       p.given("base_url", "the simulator's OpenAI-compatible endpoint, e.g. "
               "--config.sim_user.base_url=http://localhost:8000/v1")
+      if "@" in urllib.parse.urlsplit(self.base_url).netloc:
+        p.add(self._credentials_in_url_error(p.prefix))
       p.require("http_retries", config_section.at_least(0), "must be >= 0")
       p.require("max_concurrency", config_section.at_least(1), "must be >= 1")
       p.require("timeout_s", config_section.positive, "must be > 0")
@@ -87,3 +91,12 @@ class SimUserConfig(config_section.Section):
     if self.backend == "flax":
       p.given("checkpoint", "--config.sim_user.checkpoint=DIR (an HF Qwen2 checkpoint for the "
               "simulator)")
+
+  def _credentials_in_url_error(self, prefix: str) -> str:
+    """The refusal of user:password@ in base_url, shown redacted: the client sends no basic
+    auth, and urllib would take all of user:password@host for the host (a DNS error)."""
+    key_variable = (self.api_key_env if redact.is_env_var_name(self.api_key_env)
+                    else "OPENAI_API_KEY")  # a pasted key is not echoed
+    return (f"{prefix}base_url={redact.redact(self.base_url)!r}: credentials in the URL are "
+            f"not sent; give the URL without them and the key in the environment variable "
+            f"{prefix}api_key_env names (`export {key_variable}=...`)")

@@ -8,6 +8,12 @@ import os
 from typing import Iterator
 
 
+def json_error_at(e: json.JSONDecodeError) -> str:
+  """What went wrong, and at which column of the line: "Expecting value at column 7"."""
+  # Some of json's messages end in "at" ("Unterminated string starting at"): one "at" only.
+  return f"{e.msg.removesuffix(' at')} at column {e.colno}"
+
+
 def iter_jsonl(path: str, error: type[Exception] = ValueError) -> Iterator[tuple[int, object]]:
   """(line number, parsed object) for every non-blank line; `error` for a missing file or bad JSON."""
   if not os.path.exists(path):
@@ -26,4 +32,4 @@ def iter_jsonl(path: str, error: type[Exception] = ValueError) -> Iterator[tuple
       try:
         yield line_no, json.loads(line)
       except json.JSONDecodeError as e:
-        raise error(f"{path}:{line_no}: invalid JSON: {e.msg} at column {e.colno}") from None
+        raise error(f"{path}:{line_no}: invalid JSON: {json_error_at(e)}") from None

@@ -9,7 +9,7 @@ import pytest
 
 from models.errors import UserInputError
 from rlver_jax import cli, fields
-from tests.cli_run import run_module
+from tests.cli_run import last_line_only_error, run_module
 
 PLANTED_SECRET = "sk-PLANTED123456"
 
@@ -47,6 +47,18 @@ def test_a_bad_value_names_the_field_and_its_type_not_the_value():
                       f"--config.steps={PLANTED_SECRET}")
   assert result.returncode == 1
   assert result.stderr == "error: --config.steps must be of type int\n"
+
+
+@pytest.mark.parametrize("module, config, valid", [
+    ("rlver_jax.fields", "configs/ppo.py:bogus", "use '' or 'think'"),
+    ("rlver_jax.main", "configs/demo.py:bogus", "use one of ('', 'think', 'challenging')"),
+    ("rlver_jax.retention", "configs/retention.py:bogus", "this config has none: drop ':bogus'"),
+])
+def test_an_unknown_config_variant_is_one_line_naming_the_valid_ones(module, config, valid):
+  result = run_module(module, f"--config={config}")
+  assert result.returncode != 0
+  assert last_line_only_error(result.stderr) == (
+      f"error: --config={config}: unknown config variant 'bogus'; {valid}")
 
 
 def test_a_field_with_no_close_name_points_to_the_listing():

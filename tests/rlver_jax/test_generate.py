@@ -90,6 +90,15 @@ def test_cli_names_every_bad_line(tiny_checkpoint, tmp_path, capsys):
   assert not (tmp_path / "out.jsonl").exists()
 
 
+def test_a_json_error_names_its_column_with_one_at(tmp_path):
+  prompts = tmp_path / "prompts.jsonl"
+  prompts.write_text('{"prompt": "never closed}')  # json's message: "... starting at"
+  with pytest.raises(generate.InputError) as raised:
+    generate.read_requests(str(prompts), formatter=None, vocab_size=0)  # JSON is read first
+  assert str(raised.value).splitlines()[1] == (
+      f"{prompts}:1: invalid JSON (Unterminated string starting at column 12)")
+
+
 def test_chat_mode_reuses_the_dialogue_cache(tiny_checkpoint, monkeypatch):
   args = generate.parse_args(["--checkpoint", str(tiny_checkpoint), "--chat",
                               "--max-new-tokens", "5"])

@@ -231,6 +231,52 @@ def test_run_tpu_sh_drives_gcloud_on_all_workers(tmp_path):
   assert bad.returncode == 2 and "usage" in bad.stderr
 
 
+def test_run_tpu_sh_has_help_and_a_dry_run_that_calls_no_gcloud(tmp_path):
+  called = tmp_path / "gcloud_was_called"
+  forbidden = tmp_path / "gcloud"
+  forbidden.write_text(f'#!/bin/sh\necho "$@" > {called}\nexit 97\n')
+  forbidden.chmod(forbidden.stat().st_mode | stat.S_IEXEC)
+  env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "TPU_NAME": "rlver",
+         "ZONE": "us-central2-b", "PROJECT": "p"}
+
+  def run_tpu(*args, env=env):
+    return subprocess.run(["bash", os.path.join(ROOT, "run_tpu.sh"), *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+  bare = {k: v for k, v in env.items() if k not in ("TPU_NAME", "ZONE")}
+  for flag in ("--help", "-h"):
+    shown = run_tpu(flag, env=bare)  # help needs no TPU named
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("usage: ") and "--dry-run" in shown.stdout
+  commands = {}
+  for args in (["--dry-run", "create"], ["--dry-run", "setup"], ["create", "--dry-run"],
+               ["--dry-run", "run", "rlver_jax.main", "--config.workdir=gs://b/run 1"],
+               ["--dry-run", "run", "rlver_jax.fields"], ["--dry-run", "delete"]):
+    result = run_tpu(*args)
+    assert result.returncode == 0, result.stderr
+    assert not called.exists(), f"{args} ran gcloud {called.read_text()}"
+    commands[" ".join(args)] = result.stdout.splitlines()
+  assert commands["--dry-run create"] == [
+      "gcloud compute tpus tpu-vm create rlver --accelerator-type v4-32 --version "
+      "tpu-ubuntu2204-base --zone us-central2-b --project p"]
+  assert commands["create --dry-run"] == commands["--dry-run create"]
+  setup = commands["--dry-run setup"]
+  assert [line.split()[0] for line in setup] == ["tar", "gcloud", "rm", "gcloud"]
+  assert "scp" in setup[1] and "--worker=all" in setup[1] and "ssh" in setup[3]
+  [run] = commands["--dry-run run rlver_jax.main --config.workdir=gs://b/run 1"]
+  assert run.startswith("gcloud compute tpus tpu-vm ssh rlver --worker=all --command ")
+  assert "RLVER_MULTIHOST=1\\ python\\ -m\\ rlver_jax.main\\ --config.workdir=gs://b/run" in run
+  [bare_run] = commands["--dry-run run rlver_jax.fields"]
+  assert "rlver_jax.fields --zone" in bare_run  # no empty '' argument for the module
+  assert commands["--dry-run delete"] == [
+      "gcloud compute tpus tpu-vm delete rlver --quiet --zone us-central2-b --project p"]
+  for args in (["--bogus", "create"], ["create", "now"], ["run"]):
+    refused = run_tpu(*args)
+    assert refused.returncode == 2 and "usage: " in refused.stderr, args
+    assert len(refused.stderr.splitlines()) == 1
+  assert not called.exists()
+
+
 def test_value_pass_runs_in_micro_batches_of_the_update_size():
   import jax.numpy as jnp
   import numpy as np

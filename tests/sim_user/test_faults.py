@@ -19,6 +19,7 @@ from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError, SimulatorUnavailable
 from sim_user.backends.openai_http import HEALTH_PROMPT, OpenAIChatBackend
 from sim_user.backends.scripted import ScriptedBackend
+from sim_user.config import SimUserConfig
 from sim_user.redact import REDACTED, redact
 from sim_user.simulator import SimulatedUser
 from tests.fake_openai import (BAD_BODIES, HUGE_BODY_BYTES, REPLY_ANSWER, SECRET, backend_for,
@@ -144,6 +145,16 @@ def test_redact():
   assert redact("http://me:pw@host:8000/v1") == f"http://{REDACTED}@host:8000/v1"
   # Short values are not keys (OPENAI_API_KEY=EMPTY); ordinary words stay.
   assert redact("EMPTY bearer of news, risk-free", ["EMPTY"]) == "EMPTY bearer of news, risk-free"
+
+
+@pytest.mark.parametrize("credentials", ["sim-user:hunter2pw@", "hunter2pw@"])
+def test_credentials_in_the_simulator_url_are_refused_without_echoing_them(credentials):
+  config = SimUserConfig(base_url=f"http://{credentials}sim.example/v1", api_key_env="SIM_KEY")
+  [problem] = config.problems()  # at start-up, not a DNS error at the first request
+  assert problem == (f"base_url='http://{REDACTED}@sim.example/v1': credentials in the URL are "
+                     "not sent; give the URL without them and the key in the environment "
+                     "variable api_key_env names (`export SIM_KEY=...`)")
+  assert not SimUserConfig(base_url="http://sim.example:8000/v1").problems()
 
 
 def test_health_check_names_the_url_and_the_error(serve, monkeypatch):

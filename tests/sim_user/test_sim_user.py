@@ -46,6 +46,8 @@ def test_demo_profiles_cover_every_intention_in_english():
      '"first_talk": 5}',
      "2: field 'first_talk': must be a string"),
     ('{"id": "a", ', "2: invalid JSON"),
+    # json's own message ends in "at" (the newline is the control character): "at" once.
+    ('{"id": "a', "2: invalid JSON: Invalid control character at column 10"),
     ('["a"]', "2: expected a JSON object"),
 ])
 def test_malformed_profile_lines_name_file_line_and_field(tmp_path, line, message):
