@@ -93,17 +93,16 @@ def _planted(text):
 
 
 def test_no_planted_secret_in_any_output_or_file_of_a_failing_run(tmp_path):
-  # A key given the documented way, and a password inside the URL, on a simulator that is down:
-  # the run fails at its health check, before the demo policy's warm-up.
-  down = f"http://user:{PLANTED_PASSWORD}@127.0.0.1:9/v1"
+  # A key given the documented way, on a simulator that is down: the run fails at its health
+  # check, before the demo policy's warm-up.
   env = cpu_env(RLVER_TEST_KEY=PLANTED_KEY)
-  first = run_main(tmp_path / "run", "--config.sim_user.backend=openai",
-                   f"--config.sim_user.base_url={down}",
-                   "--config.sim_user.api_key_env=RLVER_TEST_KEY",
-                   "--config.sim_user.http_retries=0", env=env)
+  simulator = ("--config.sim_user.backend=openai", "--config.sim_user.http_retries=0",
+               "--config.sim_user.api_key_env=RLVER_TEST_KEY")
+  first = run_main(tmp_path / "run", *simulator, "--config.sim_user.base_url=http://127.0.0.1:9/v1",
+                   env=env)
   assert first.returncode == 1
   assert first.stderr.strip().splitlines()[-1].startswith(
-      "error: the simulator at http://[REDACTED]@127.0.0.1:9/v1/chat/completions did not answer")
+      "error: the simulator at http://127.0.0.1:9/v1/chat/completions did not answer")
   assert "cannot schedule new futures" not in first.stderr and "Traceback" not in first.stderr
   assert not (tmp_path / "run" / "init_policy").exists()  # the health check came first
   assert (tmp_path / "run" / "config.json").exists()
@@ -111,7 +110,13 @@ def test_no_planted_secret_in_any_output_or_file_of_a_failing_run(tmp_path):
   second = run_main(tmp_path / "run2", f"--config.sim_user.api_key_env={PLANTED_KEY}", env=env)
   assert second.returncode == 1
   assert "sim_user.api_key_env must name the environment variable" in second.stderr
-  for run in (first, second):
+  # A password inside the URL: refused, redacted, before anything runs.
+  third = run_main(tmp_path / "run3", *simulator,
+                   f"--config.sim_user.base_url=http://user:{PLANTED_PASSWORD}@127.0.0.1:9/v1",
+                   env=env)
+  assert third.returncode == 1 and "Traceback" not in third.stderr
+  assert "sim_user.base_url='http://[REDACTED]@127.0.0.1:9/v1': credentials" in third.stderr
+  for run in (first, second, third):
     assert not _planted(run.stdout + run.stderr)
   for directory, _, files in os.walk(tmp_path):
     for name in files:
