@@ -147,7 +147,8 @@ def _evaluate(config: sections.EvalRun, config_dict) -> dict:
   """`evaluate` of the typed run `config`; `config_dict`, as given, goes to W/config.json."""
   primary = jax.process_index() == 0
   e = config.eval
-  profiles = profiles_lib.load_profiles(config.eval.profiles)[:e.limit or None]
+  profiles = profiles_lib.load_profiles(config.eval.profiles,
+                                        config.sim_user.max_message_chars)[:e.limit or None]
   results_path = os.path.join(config.workdir, RESULTS_FILE)
   previous = metrics_lib.read_appended_jsonl(results_path)
   run_config.check_and_save(config_dict, config.workdir, resuming=bool(previous))

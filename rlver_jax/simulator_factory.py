@@ -70,4 +70,5 @@ def make_simulated_user(cfg, mesh=None, rules: str | None = None, seed: int = 0)
                        max_retries=cfg.parse_retries, on_failure=cfg.on_failure,
                        target_header=target_header,
                        # The scripted user's changes come from its own rules, not a prompt.
-                       max_change=None if cfg.backend == "scripted" else cfg.max_change)
+                       max_change=None if cfg.backend == "scripted" else cfg.max_change,
+                       max_message_chars=cfg.max_message_chars)

@@ -181,7 +181,8 @@ class Trainer:
     self.off_policy_steps = config.rollout.off_policy_steps
     off_policy.check_supported(self.off_policy_steps, jax.process_count())
     self.rollout_cfg = builder.train_rollout_config(config)
-    self.profiles = profiles_lib.load_profiles(config.data.train_profiles)
+    self.profiles = profiles_lib.load_profiles(config.data.train_profiles,
+                                               config.sim_user.max_message_chars)
     # The simulator's health check comes before the policy's warm-up and loading: a dead
     # simulator fails the run in seconds, not after minutes of preparing a policy. (An
     # in-process simulator runs on its host's own chips.)

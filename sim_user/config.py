@@ -44,6 +44,11 @@ class SimUserConfig(config_section.Section):
       larger answer is clamped to it, as SAGE's benchmark clips every change, counted in
       sim/change_clamped and warned about once. The scripted user's rules keep their own
       range (up to +20).
+    max_message_chars: the longest user message the policy reads (an opening, a simulator
+      reply) and the longest text of a profile (not its task). Longer is cut to it, warned
+      about once (profiles: once per file, naming lines and fields) and counted in
+      sim/messages_cut. The released profiles' longest text is 2265 chars (a scene); SAGE's
+      recorded user messages are at most 150.
   """
   backend: str = "openai"
   base_url: str = ""
@@ -65,6 +70,7 @@ class SimUserConfig(config_section.Section):
   on_failure: str = DROP
   max_agent_turns: int = 0
   max_change: int = 10
+  max_message_chars: int = 4000
 
   def check(self, p: config_section.Problems) -> None:
     p.one_of("backend", BACKENDS)
@@ -77,6 +83,7 @@ class SimUserConfig(config_section.Section):
               "agent replies per dialogue; must be >= 0 (0: the rule set's own limit)")
     p.require("max_change", config_section.at_least(1), "the largest |Change| a simulator "
               "answer may give; must be >= 1")
+    p.require("max_message_chars", config_section.at_least(1), "must be >= 1")
     if not redact.is_env_var_name(self.api_key_env):
       p.add(redact.api_key_env_error(f"{p.prefix}api_key_env"))  # likely the key: never echoed
     if self.backend == "openai":

@@ -34,6 +34,9 @@ _OPTIONAL_TEXT = ("first_talk", "topic")
 # Every field a profile may carry (the authors' train and test files carry only these);
 # any other is likely a misspelling, warned about once per file.
 KNOWN_FIELDS = _REQUIRED_TEXT + _OPTIONAL_TEXT + ("cha_group",)
+_CUTS_NAMED = 5  # the cut texts a warning names; it counts the rest
+# The texts `max_chars` cuts: not the id, nor the task (its words name the hidden intention).
+_CUT_FIELDS = ("player", "scene", "main_cha", "first_talk", "topic")
 
 
 class ProfileError(UserInputError):
@@ -103,25 +106,44 @@ def parse_profile(obj, path: str = "<profile>", line_no: int = 0) -> Profile:
   return Profile(cha_group=tuple(group), **values)
 
 
-def iter_profiles(path: str) -> Iterator[Profile]:
-  """The file's profiles; fields outside KNOWN_FIELDS are warned about once, at its end."""
+def iter_profiles(path: str, max_chars: int | None = None) -> Iterator[Profile]:
+  """The file's profiles; fields outside KNOWN_FIELDS are warned about once, at its end.
+
+  With `max_chars` (`sim_user.max_message_chars`), a text field longer than that is cut to
+  it, and the cuts are reported once for the file, with their lines and fields: a megabyte
+  opening would otherwise be the policy's prompt at every turn of its dialogues.
+  """
   unknown_first_line: dict[str, int] = {}
+  cuts = []  # (line, field, length)
   for line_no, obj in iter_jsonl(path, ProfileError):
     profile = parse_profile(obj, path, line_no)
     for field in obj:
       if field not in KNOWN_FIELDS:
         unknown_first_line.setdefault(field, line_no)
+    if max_chars is not None:
+      long_texts = {field: text for field in _CUT_FIELDS
+                    if len(text := getattr(profile, field) or "") > max_chars}
+      cuts += [(line_no, field, len(text)) for field, text in long_texts.items()]
+      profile = dataclasses.replace(profile, **{field: text[:max_chars]
+                                                for field, text in long_texts.items()})
     yield profile
   if unknown_first_line:
     logging.warning("%s: ignoring unknown field(s) %s; known fields: %s", path,
                     ", ".join(f"{field!r} (line {line_no})"
                               for field, line_no in unknown_first_line.items()),
                     ", ".join(KNOWN_FIELDS))
+  if cuts:
+    named = ", ".join(f"line {line} {field!r} ({length} chars)"
+                      for line, field, length in cuts[:_CUTS_NAMED])
+    more = f" and {len(cuts) - _CUTS_NAMED} more" if len(cuts) > _CUTS_NAMED else ""
+    logging.warning("%s: %d text(s) longer than sim_user.max_message_chars=%d cut to it: %s%s",
+                    path, len(cuts), max_chars, named, more)
 
 
-def load_profiles(path: str) -> list[Profile]:
-  """All profiles of a JSONL file; duplicate ids are an error."""
-  profiles = list(iter_profiles(path))
+def load_profiles(path: str, max_chars: int | None = None) -> list[Profile]:
+  """All profiles of a JSONL file; duplicate ids are an error. With `max_chars`, a text
+  longer than that is cut to it (`iter_profiles`)."""
+  profiles = list(iter_profiles(path, max_chars))
   if not profiles:
     raise ProfileError(f"{path}: no profiles")
   seen = {}
@@ -131,3 +153,4 @@ def load_profiles(path: str) -> list[Profile]:
                          f"(profiles {seen[profile.id] + 1} and {index + 1})")
     seen[profile.id] = index
   return profiles
+

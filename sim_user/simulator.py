@@ -78,7 +78,8 @@ class SimulatedUser:
   def __init__(self, backend: Backend, emotion_rules: dynamics.EmotionRules, prompts: PromptSet, *,
                max_retries: int = 2, on_failure: str = END_FAILED,
                goodbye_phrases: Sequence[str] = DEFAULT_GOODBYES,
-               target_header: str = "TargetCompletion", max_change: int | None = None):
+               target_header: str = "TargetCompletion", max_change: int | None = None,
+               max_message_chars: int | None = None):
     if on_failure not in (END_FAILED, DROP):
       raise ValueError(f"on_failure must be {END_FAILED!r} or {DROP!r}, got {on_failure!r}")
     if max_retries < 0:
@@ -92,7 +93,8 @@ class SimulatedUser:
     if max_change is not None and max_change < 1:
       raise ValueError(f"max_change must be >= 1 or None, got {max_change}")
     self.max_change = max_change
-    self._warned_clamp = False
+    self.max_message_chars = max_message_chars
+    self._warned = set()  # the once-a-run warnings given
     words = "|".join(re.escape(p) for p in goodbye_phrases)
     self._goodbye_re = re.compile(rf"(?<![A-Za-z])(?:{words})(?![A-Za-z])", re.IGNORECASE)
     self.metrics: collections.Counter = collections.Counter()
@@ -122,7 +124,8 @@ class SimulatedUser:
       if isinstance(result, str):
         self._fail(d, result)
       else:
-        d.history.append({"role": "user", "content": result.response, "emotion-point": d.emotion})
+        d.history.append({"role": "user", "content": self._message(result.response),
+                          "emotion-point": d.emotion})
     return dialogues
 
   def respond(self, dialogues: Sequence[Dialogue], agent_replies: Sequence[str]) -> None:
@@ -163,7 +166,7 @@ class SimulatedUser:
         self._fail(d, reply)
         continue
       d.history.append({
-          "role": "user", "content": reply.response, "emotion-point": d.emotion,
+          "role": "user", "content": self._message(reply.response), "emotion-point": d.emotion,
           "thinking": reply.thinking,
           "planning": {"content": planning.content, "TargetCompletion": planning.target_completion,
                        "activity": planning.activity, "analyse": planning.analyse,
@@ -179,15 +182,31 @@ class SimulatedUser:
     answering +250 would otherwise end every dialogue at 100, reward 1.0)."""
     if self.max_change is None or abs(change) <= self.max_change:
       return change
-    self._count("sim/change_clamped")
     bounded = max(-self.max_change, min(self.max_change, change))
-    with self._lock:
-      warn, self._warned_clamp = not self._warned_clamp, True
-    if warn:
-      logging.warning("the simulator answered an emotion change of %+d, outside the prompts' "
-                      "range [-%d, %d]: clamped to %+d (counted in sim/change_clamped; this "
-                      "warning is given once)", change, self.max_change, self.max_change, bounded)
+    self._count_and_warn_once(
+        "sim/change_clamped", "the simulator answered an emotion change of %+d, outside the "
+        "prompts' range [-%d, %d]: clamped to %+d", change, self.max_change, self.max_change,
+        bounded)
     return bounded
+
+  def _message(self, text: str) -> str:
+    """A user message the policy will read, cut to `max_message_chars`: a simulator that
+    rambles for megabytes would otherwise be the policy's prompt at every later turn."""
+    if self.max_message_chars is None or len(text) <= self.max_message_chars:
+      return text
+    self._count_and_warn_once(
+        "sim/messages_cut", "the simulator wrote a message of %d chars, more than "
+        "sim_user.max_message_chars=%d: cut to it", len(text), self.max_message_chars)
+    return text[:self.max_message_chars]
+
+  def _count_and_warn_once(self, metric: str, message: str, *args) -> None:
+    """Counts `metric`; the first time in this simulated user's life, also warns."""
+    with self._lock:
+      self.metrics[metric] += 1
+      first = metric not in self._warned
+      self._warned.add(metric)
+    if first:
+      logging.warning(message + f" (counted in {metric}; this warning is given once)", *args)
 
   # Calls, retries and fallbacks.
 

@@ -575,3 +575,45 @@ def test_the_scripted_users_own_changes_are_not_bounded_by_the_prompts_range():
   from sim_user.config import SimUserConfig
   cfg = SimUserConfig(backend="scripted", language="en")
   assert simulator_factory.make_simulated_user(cfg).max_change is None  # it moves up to +20
+
+
+def test_profile_texts_past_the_budget_are_cut_and_reported_once_with_file_and_line(tmp_path,
+                                                                                   caplog):
+  profile = json.loads(open(profiles.DEMO_PROFILES).readline())
+  long_opening = {**profile, "id": "long", "first_talk": "I " + "x" * 5_200_000}
+  long_scene = {**profile, "id": "scene", "scene": "s" * 6000}
+  path = tmp_path / "profiles.jsonl"
+  path.write_text("\n".join(json.dumps(p) for p in (profile, long_opening, long_scene)) + "\n")
+  as_given = profiles.load_profiles(str(path))
+  assert len(as_given[1].first_talk) == 5_200_002 and not caplog.records
+  kept, opening, scene = profiles.load_profiles(str(path), max_chars=4000)
+  assert kept == as_given[0] and len(opening.first_talk) == len(scene.scene) == 4000
+  assert opening.task == as_given[1].task and opening.intention == as_given[1].intention
+  [warning] = [r.getMessage() for r in caplog.records]
+  assert warning == (f"{path}: 2 text(s) longer than sim_user.max_message_chars=4000 cut to it: "
+                     "line 2 'first_talk' (5200002 chars), line 3 'scene' (6000 chars)")
+
+
+class RamblingBackend:
+  """A simulator whose every reply (and opening) is `chars` long."""
+
+  def __init__(self, chars: int):
+    self.chars = chars
+
+  def complete(self, requests):
+    return ["Change:\n+5\n" if r.kind == "planning" else "Response:\n" + "w" * self.chars
+            for r in requests]
+
+
+def test_a_simulator_message_past_the_budget_is_cut_counted_and_warned_once(caplog):
+  opener = dataclasses.replace(demo("be_listened_to"), first_talk=None)
+  user = make_user(RamblingBackend(9000), max_message_chars=4000)
+  [d] = user.start([opener])
+  user.respond([d], ["I hear you."])
+  assert [len(m["content"]) for m in d.history if m["role"] == "user"] == [4000, 4000]
+  assert user.metrics["sim/messages_cut"] == 2
+  assert len([r for r in caplog.records if "sim/messages_cut" in r.getMessage()]) == 1
+  from rlver_jax import simulator_factory
+  from sim_user.config import SimUserConfig
+  assert simulator_factory.make_simulated_user(SimUserConfig(
+      backend="scripted", language="en")).max_message_chars == 4000  # on by default
