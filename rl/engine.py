@@ -42,6 +42,7 @@ import time
 from typing import Callable, Iterable, Sequence
 
 import jax
+from absl import logging
 
 from models.sampler import Sampler
 from models.sampling import bucket_size
@@ -63,6 +64,10 @@ def run(sampler: Sampler, agent: Agent, user: SimulatedUser, dialogues: Sequence
     if pool is not None:  # a rollout given up (a stop signal, an error) waits for no reply
       pool.shutdown(wait=sys.exc_info()[0] is None, cancel_futures=True)
 
+
+# Seconds between the lines that say the rollout waits for the simulator (a slow one would
+# otherwise leave the progress bar still for minutes without a word).
+WAIT_REPORT_S = 30.0
 
 # The most agent tokens a row starts with room for: evaluation has no token budget
 # (max_dialogue_tokens=10**9), and its rows grow from here when a dialogue needs more.
@@ -151,8 +156,18 @@ class _Engine:
     if not self.with_user:
       return
     t0 = time.perf_counter()
-    done, _ = concurrent.futures.wait(list(self.with_user), timeout=None if block else 0,
-                                      return_when=concurrent.futures.FIRST_COMPLETED)
+    while True:  # blocking, it says every WAIT_REPORT_S what it waits for
+      done, _ = concurrent.futures.wait(list(self.with_user),
+                                        timeout=WAIT_REPORT_S if block else 0,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+      if done or not block:
+        break
+      finished = sum(d.done for d in self.dialogues)
+      logging.info("rollout: %.0f s waiting for the simulator's answer to %d dialogue(s), "
+                   "nothing else to decode (%d of %d dialogues done); a call may take up to "
+                   "sim_user.timeout_s, with sim_user.http_retries retries",
+                   time.perf_counter() - t0, len(self.with_user), finished,
+                   len(self.dialogues))
     if block:
       self.sim_seconds += time.perf_counter() - t0
     for future in done:

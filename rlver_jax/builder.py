@@ -27,6 +27,7 @@ from rl import step as step_lib
 from rl import system_prompts, updates
 from rl.rollout_config import AUTO, RolloutConfig
 from rlver_jax import multihost, simulator_factory
+from rlver_jax import workdir as workdir_lib
 from sim_user.simulator import SimulatedUser
 
 
@@ -76,6 +77,7 @@ def inference_policy(config, mesh: Mesh | None) -> pretrained.Policy:
 
   An empty `policy.param_dtype` stores the weights in the compute dtype.
   """
+  workdir_lib.refuse_training_workdir(config.policy.checkpoint, "policy.checkpoint")
   return pretrained.load_policy(config.policy.checkpoint, dtype=config.policy.dtype,
                                 param_dtype=config.policy.param_dtype or None, mesh=mesh)
 

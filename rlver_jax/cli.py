@@ -17,7 +17,7 @@ from ml_collections.config_flags import config_path
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from models.errors import RunStopped, UserInputError
-from rlver_jax import compile_cache, preemption, run_config
+from rlver_jax import compile_cache, preemption, run_config, sharding
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -144,6 +144,7 @@ def run(default_file: str, help_text: str, fn: Callable) -> None:
     if len(argv) > 1:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_QuietLibraries())
+    sharding.cpu_unless_accelerators()
     config = config_flag.value
     logging.info("config:\n%s", run_config.printable(config))
     compile_cache.enable(config.get("compile_cache_dir", ""))

@@ -27,7 +27,7 @@ from models.chat import ChatFormatter
 from models.errors import UserInputError
 from models.sampling import SamplingParams
 from rl import keys
-from rlver_jax import builder
+from rlver_jax import builder, sharding
 from sim_user.jsonl import json_error_at
 
 
@@ -181,6 +181,7 @@ def run_chat(args, stdin=sys.stdin, stdout=sys.stdout) -> None:
 def main(argv=None) -> int:
   args = parse_args(argv)
   logging.set_verbosity(logging.INFO)
+  sharding.cpu_unless_accelerators()
   logging.info("JAX devices: %s", jax.devices())
   try:
     run_chat(args) if args.chat else run_batch(args)

@@ -56,6 +56,24 @@ def maybe_initialize_distributed(force: bool = False) -> bool:
   return True
 
 
+def cpu_unless_accelerators() -> None:
+  """Sets JAX_PLATFORMS=cpu on a machine with no TPU chip and no GPU driver, unless it is set.
+
+  JAX falls back to its CPU backend there anyway, but with libtpu installed (`pip install -e
+  .[tpu]`, for the planner's deviceless compiles) it first starts the TPU plugin, which prints
+  libtpu's `E0000 ... unexpected worker hostname` and `Failed to find host bounds` lines on
+  every run. Call it before JAX starts a backend (the CLIs do, first thing).
+  """
+  if "JAX_PLATFORMS" in os.environ:
+    return
+  from jax._src import hardware_utils  # JAX's own test for TPU chips, which libtpu trusts
+  tpu_chips, _ = hardware_utils.num_available_tpu_chips_and_device_id()
+  gpu_driver = any(os.path.exists(path) for path in ("/proc/driver/nvidia/version", "/dev/kfd"))
+  if not tpu_chips and not gpu_driver:
+    os.environ["JAX_PLATFORMS"] = "cpu"  # for the processes this one starts
+    jax.config.update("jax_platforms", "cpu")  # JAX read the environment at its import
+
+
 def heartbeat_timeout_s() -> int:
   """Seconds of silence after which JAX's coordination service aborts every host."""
   return _positive_int_env("RLVER_HEARTBEAT_TIMEOUT_S", 60)

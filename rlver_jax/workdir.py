@@ -48,6 +48,19 @@ def prepare(workdir: str, field: str = "workdir") -> str:
   return path
 
 
+def refuse_training_workdir(path: str, field: str) -> None:
+  """A UserInputError when checkpoint `path` (config field `field`) is a training run's
+  workdir: its policy is the one exported to W/export, which this names."""
+  if not (os.path.isdir(os.path.join(path, "checkpoints"))
+          and os.path.exists(os.path.join(path, "metrics.jsonl"))):
+    return
+  export = os.path.join(path, "export")
+  hint = (f"use the policy it exported: --config.{field}={export}" if os.path.isdir(export) else
+          f"it has not exported a policy yet ({export} appears when the run ends, with "
+          "checkpoint.export_at_end=True)")
+  raise UserInputError(f"{field}={path!r} is a training workdir, not a checkpoint; {hint}")
+
+
 def _blocker(path: str) -> str:
   """The first existing non-directory on the way to `path` (the one in the way)."""
   parts = path.split(os.sep)

@@ -17,6 +17,7 @@ from models.row_programs import row_program_set
 from models.sampler import Sampler
 from models.sampling import SamplingParams, ladder
 from rl import rollout as rollout_lib
+from rl import engine
 from rl.engine import rows_to_decode
 from rl.rollout_config import RolloutConfig
 from sim_user import dynamics, profiles, templates
@@ -392,3 +393,29 @@ def test_rows_start_with_room_for_a_dialogue_but_not_for_an_unbounded_budget():
   # Evaluation has no budget (10**9): rows start at room for 8,192 agent tokens and grow.
   assert row_capacity(RolloutConfig(max_dialogue_tokens=10**9, max_new_tokens=1024), 300) == 16384
   assert row_capacity(RolloutConfig(max_dialogue_tokens=25, max_new_tokens=12), 40) == 128
+
+
+class Slow(ScriptedBackend):
+  """A server-like backend whose every call takes `seconds`."""
+
+  max_concurrency = 4
+
+  def __init__(self, seconds):
+    self.seconds = seconds
+
+  def complete(self, requests):
+    time.sleep(self.seconds)
+    return super().complete(requests)
+
+
+def test_a_rollout_waiting_on_a_slow_simulator_says_so(chat_policy, monkeypatch, caplog):
+  sampler, formatter, demo = chat_policy
+  monkeypatch.setattr(engine, "WAIT_REPORT_S", 0.05)
+  config = RolloutConfig(system_prompt="", max_new_tokens=12, temperature=0.0,
+                         max_dialogue_tokens=30)
+  with caplog.at_level("INFO"):
+    rollout_lib.collect(sampler, formatter, make_user(Slow(0.3)), demo[:2], config,
+                        jax.random.key(1))
+  waits = [r.getMessage() for r in caplog.records if r.getMessage().startswith("rollout: ")]
+  assert waits and "s waiting for the simulator's answer to 2 dialogue(s)" in waits[0], waits
+  assert "(0 of 2 dialogues done)" in waits[0] and "sim_user.timeout_s" in waits[0]

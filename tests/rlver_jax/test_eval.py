@@ -73,7 +73,7 @@ def test_results_with_a_lone_surrogate_are_written_and_read_back(tmp_path):
 
 
 @pytest.mark.heavy
-def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatch,
+def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatch, capsys,
                                                      tiny_checkpoint):
   server = serve(["500", "malformed"])  # every prompt fails twice before it is answered
   demo = profiles.load_profiles(profiles.DEMO_PROFILES)
@@ -89,6 +89,9 @@ def test_evaluator_end_to_end_against_a_local_server(tmp_path, serve, monkeypatc
   workdir = tmp_path / "eval"
   with open(workdir / "summary.json") as f:
     summary = json.load(f)
+  printed = capsys.readouterr().out  # where it all is, also when the score does not count
+  for name in ("results.jsonl", "summary.json", "emotion_trajectories.png", "final_scores.png"):
+    assert f"{workdir / name}\n" in printed, name
 
   records = _read_results(workdir)
   assert [r["id"] for r in records] == [p.id for p in cohort]
@@ -156,3 +159,18 @@ def test_evaluator_resumes_after_a_kill_and_limit_runs_the_first_n(tmp_path, ser
   config.eval.max_new_tokens = 7  # a different evaluation in the same workdir
   with pytest.raises(UserInputError, match=r"eval.max_new_tokens: 6 -> 7"):
     evaluator.evaluate(config)
+
+
+def test_a_training_workdir_given_as_the_checkpoint_points_to_its_export(tmp_path):
+  from rlver_jax import builder
+  config = eval_config.get_config()
+  config.policy.checkpoint = str(tmp_path)
+  (tmp_path / "checkpoints").mkdir()
+  (tmp_path / "metrics.jsonl").write_text("")
+  with pytest.raises(UserInputError, match=r"is a training workdir, not a checkpoint; it has "
+                     r"not exported a policy yet .*export_at_end=True"):
+    builder.inference_policy(config, None)
+  (tmp_path / "export").mkdir()
+  with pytest.raises(UserInputError, match=rf"use the policy it exported: "
+                     rf"--config.policy.checkpoint={tmp_path}/export$"):
+    builder.inference_policy(config, None)

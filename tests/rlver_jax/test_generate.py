@@ -165,3 +165,18 @@ def test_messages_without_a_chat_template_say_what_to_give_instead(untemplated_c
   assert "'prompt'" in err and "'input_ids'" in err
   rc = generate.main(["--checkpoint", str(untemplated_checkpoint), "--chat"])
   assert rc == 2 and "no chat template" in capsys.readouterr().err
+
+
+def test_a_cpu_machine_runs_without_libtpus_start_up_noise(tmp_path, tiny_checkpoint):
+  """With libtpu installed (the test extras install `.[tpu]`), JAX on a machine without TPU
+  chips used to start the TPU plugin first and print its E0000 lines on every run."""
+  from tests import cli_run, processes
+  prompts = tmp_path / "in.jsonl"
+  prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
+  env = {k: v for k, v in processes.cpu_env().items() if k != "JAX_PLATFORMS"}
+  run = cli_run.run_module("rlver_jax.generate", f"--checkpoint={tiny_checkpoint}",
+                           f"--prompts={prompts}", f"--output={tmp_path / 'out.jsonl'}",
+                           "--max-new-tokens=2", env=env)
+  assert run.returncode == 0, run.stderr[-2000:]
+  assert "E0000" not in run.stderr and "worker hostname" not in run.stderr, run.stderr[-2000:]
+  assert "CpuDevice" in run.stderr  # the devices it logs
