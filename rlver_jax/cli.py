@@ -17,7 +17,7 @@ from ml_collections.config_flags import config_path
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
 from models.errors import RunStopped, UserInputError
-from rlver_jax import compile_cache, preemption, run_config, sharding
+from rlver_jax import compile_cache, preemption, run_config, sharding, workdir
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
@@ -26,8 +26,27 @@ class _QuietLibraries(logging_std.Filter):
   """Keeps our INFO progress lines; drops the INFO chatter of checkpointing and JAX internals."""
 
   def filter(self, record):
+    # A full disk: orbax (and asyncio, for orbax's tasks) logs each failed write with its
+    # traceback; the run then fails with it, and the CLI says it in one line.
+    if any(part in record.pathname for part in ("orbax", "etils", "asyncio")) and (
+        workdir.no_space_error(record.exc_info and record.exc_info[1]) or
+        workdir.tells_of_no_space(record.getMessage())):
+      return False
     return record.levelno >= logging_std.WARNING or not any(
         part in record.pathname for part in ("orbax", "jax/_src", "etils"))
+
+
+def _quiet_closed_loop(report_unraisable: Callable) -> Callable:
+  """A sys.unraisablehook that drops "Event loop is closed": when one write of an orbax save
+  fails (a full disk), orbax closes its event loop and tensorstore's callbacks for the others'
+  writes each print that traceback, which says nothing the run's own error does not."""
+
+  def hook(unraisable):
+    if not (isinstance(unraisable.exc_value, RuntimeError) and
+            str(unraisable.exc_value) == "Event loop is closed"):
+      report_unraisable(unraisable)
+
+  return hook
 
 
 FIELDS_COMMAND = "python -m rlver_jax.fields"
@@ -145,11 +164,20 @@ def run(default_file: str, help_text: str, fn: Callable) -> None:
       raise app.UsageError(f"unexpected arguments: {argv[1:]}")
     logging.get_absl_handler().addFilter(_QuietLibraries())
     sharding.cpu_unless_accelerators()
+    sys.unraisablehook = _quiet_closed_loop(sys.unraisablehook)
     config = config_flag.value
     logging.info("config:\n%s", run_config.printable(config))
     compile_cache.enable(config.get("compile_cache_dir", ""))
     try:
-      fn(config)
+      try:
+        fn(config)
+      except Exception as e:
+        if workdir.no_space_error(e) is None or isinstance(e, workdir.NoSpaceLeft):
+          raise
+        raise workdir.NoSpaceLeft(config.get("workdir") or os.getcwd()) from e
+    except workdir.NoSpaceLeft as e:  # free space and rerun, told apart from a failure
+      print(f"error: {e}", file=sys.stderr, flush=True)
+      raise SystemExit(workdir.NO_SPACE_EXIT_CODE) from None
     except preemption.Preempted as e:  # "run me again", told apart from a failure
       print(f"preempted: {e}", file=sys.stderr, flush=True)
       raise SystemExit(preemption.PREEMPTED_EXIT_CODE) from None

@@ -281,5 +281,17 @@ def _write_records(path: str, records: Sequence[dict]) -> None:
   os.replace(path + ".tmp", path)
 
 
+def evaluate_from_cli(config) -> dict:
+  """`evaluate_with_baseline`, whose full disk says what a rerun keeps: an evaluation has no
+  checkpoints, its scored records are what it resumes from."""
+  try:
+    return evaluate_with_baseline(config)
+  except Exception as e:
+    if workdir_lib.no_space_error(e) is None:
+      raise
+    raise workdir_lib.NoSpaceLeft(
+        config.workdir, "to resume: the profiles already scored are kept") from e
+
+
 if __name__ == "__main__":
-  cli.run("eval.py", "evaluation config file[:variant]", watchdog.guarded(evaluate_with_baseline))
+  cli.run("eval.py", "evaluation config file[:variant]", watchdog.guarded(evaluate_from_cli))

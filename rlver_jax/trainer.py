@@ -406,12 +406,14 @@ class Trainer:
       with self.signals:
         self._run()
     finally:  # also when stopped or interrupted: where the plot, metrics, dialogues, export are
-      if self.hosts.primary:
-        dialogue_log.report_outputs(
-            self.config.workdir, self.step, self.config.steps, self.dialogue_log,
-            written=self.outputs, learned=metrics_lib.learning_summary(
-                metrics_lib.read_appended_jsonl(self.metrics.path) if self.metrics else []))
-      self.close()
+      try:
+        if self.hosts.primary:
+          dialogue_log.report_outputs(
+              self.config.workdir, self.step, self.config.steps, self.dialogue_log,
+              written=self.outputs, learned=metrics_lib.learning_summary(
+                  metrics_lib.read_appended_jsonl(self.metrics.path) if self.metrics else []))
+      finally:  # the replies table fails on a full disk too: the checkpoints still close
+        self.close()
 
   def _plot(self) -> str | None:
     plot = metrics_lib.plot_curves(self.metrics.path,

@@ -8,14 +8,23 @@ dies (`kill -9` included), and which an NFS server drops when the holder's
 machine stops renewing its lease; the file's text (host, PID, start time)
 only names the holder. So a lock file left by a dead run is simply taken
 over, with a line saying whose it was.
+
+A write that fails for lack of space (the lock, W/config.json, a checkpoint,
+the metrics, the export) ends a run with one line (`NoSpaceLeft`) that names
+the workdir, the space left and the step a rerun resumes at, and with
+NO_SPACE_EXIT_CODE: the last complete checkpoint is untouched, so freeing
+space and rerunning the same command loses nothing.
 """
 
 from __future__ import annotations
 
 import datetime
+import errno
 import fcntl
 import json
 import os
+import re
+import shutil
 import socket
 import tempfile
 
@@ -24,6 +33,64 @@ from absl import logging
 from models.errors import UserInputError
 
 LOCK_FILE = "run.lock"
+# sysexits' EX_CANTCREAT: the run cannot create its outputs where the user asked, and freeing
+# space there lets the same command go on. Not EX_IOERR (74): that one also says a read failed
+# or the hardware did, which a rerun does not mend.
+NO_SPACE_EXIT_CODE = 73
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+# Tensorstore (orbax's array writer) reports a failed write as a ValueError whose text holds
+# the OS error's number: `... No space left on device [os_error_code='28']`.
+_TENSORSTORE_OS_ERROR = re.compile(r"\[os_error_code='(\d+)'\]")
+
+
+def no_space_error(error: BaseException | None) -> BaseException | None:
+  """The exception in `error`'s chain (causes, contexts, exception groups) that says a write
+  failed for lack of space or quota, or None. Orbax's asynchronous saves raise theirs wrapped,
+  at a later save or wait, as tensorstore's ValueError."""
+  pending, seen = [error], set()
+  while pending:
+    e = pending.pop()
+    if e is None or id(e) in seen:
+      continue
+    seen.add(id(e))
+    if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS:
+      return e
+    if tells_of_no_space(str(e)):
+      return e
+    pending += [e.__cause__, e.__context__, *getattr(e, "exceptions", ())]
+  return None
+
+
+def tells_of_no_space(text: str) -> bool:
+  """Whether `text` is tensorstore's report of a write that failed for lack of space."""
+  return any(int(code) in _NO_SPACE_ERRNOS for code in _TENSORSTORE_OS_ERROR.findall(text))
+
+
+def last_checkpoint_step(workdir: str) -> int | None:
+  """The step of the newest complete checkpoint in W/checkpoints (orbax writes each under a
+  temporary name and renames it when it is whole), or None."""
+  import orbax.checkpoint as ocp
+  return max(ocp.utils.checkpoint_steps(os.path.join(workdir, "checkpoints")), default=None)
+
+
+def _free_mib(path: str) -> int:
+  while not os.path.exists(path) and os.path.dirname(path) != path:
+    path = os.path.dirname(path)  # a workdir that could not be made: its file system
+  return shutil.disk_usage(path).free // 2**20
+
+
+class NoSpaceLeft(Exception):
+  """A write under the workdir failed for lack of space: what to do, in one line."""
+
+  def __init__(self, workdir: str, rerun_to: str | None = None):
+    """`rerun_to`: what a rerun does; by default it resumes at the last complete checkpoint."""
+    path = os.path.abspath(workdir)
+    if rerun_to is None:
+      step = last_checkpoint_step(path)
+      rerun_to = (f"to resume at step {step}" if step is not None else
+                  "to start from the beginning (no checkpoint was complete)")
+    super().__init__(f"no space left on device under {path} ({_free_mib(path)} MiB free); free "
+                     f"space and rerun the same command {rerun_to}")
 
 
 def prepare(workdir: str, field: str = "workdir") -> str:
@@ -38,11 +105,15 @@ def prepare(workdir: str, field: str = "workdir") -> str:
     raise UserInputError(f"--config.{field}={workdir}: {_blocker(path)} is a file, so no "
                          "directory can be made under it; choose another workdir") from None
   except OSError as e:
+    if no_space_error(e):
+      raise
     raise UserInputError(f"--config.{field}={workdir}: cannot create it: {e.strerror}") from None
   try:  # a real write: permissions, a read-only file system and a full disk all show here
     with tempfile.TemporaryFile(dir=path):
       pass
   except OSError as e:
+    if no_space_error(e):
+      raise  # not the user's choice of workdir: the CLI says to free space
     raise UserInputError(f"--config.{field}={workdir}: cannot write there: {e.strerror}; "
                          "choose another workdir or fix its permissions") from None
   return path
@@ -94,6 +165,8 @@ class RunLock:
     try:
       handle = open(path, "a+")
     except OSError as e:
+      if no_space_error(e):
+        raise
       raise UserInputError(f"{path}: cannot open the run lock: {e.strerror}") from None
     try:
       fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -150,13 +223,19 @@ def claim(workdir: str, field: str = "workdir") -> RunLock:
   import jax
   from rlver_jax import multihost
   path = prepare(workdir, field)
-  lock, refusal = None, None
+  lock, refusal, no_space = None, None, False
   if jax.process_index() == 0:
     try:
       lock = RunLock.acquire(path)
     except UserInputError as e:
       refusal = str(e)
-  refusal = multihost.allgather_json(refusal)[0]
+    except OSError as e:
+      if not no_space_error(e):
+        raise
+      no_space = True  # every host ends with the line that says to free space
+  refusal, no_space = multihost.allgather_json([refusal, no_space])[0]
   if refusal:
     raise UserInputError(refusal)
+  if no_space:
+    raise OSError(errno.ENOSPC, f"{os.path.join(path, LOCK_FILE)}: {os.strerror(errno.ENOSPC)}")
   return lock or RunLock(os.path.join(path, LOCK_FILE))

@@ -1,7 +1,9 @@
 """A run's workdir and secrets: one run per workdir, a stale lock taken over, a workdir that cannot
 be one refused in one line, keys and URL credentials in no output or file of a failing run."""
 
+import errno
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -14,8 +16,10 @@ from configs import demo
 from models.errors import UserInputError
 from rlver_jax import run_config, sections, workdir
 from tests import ROOT
+from tests import cli_run
 from tests.cli_run import run_main
 from tests.processes import cpu_env
+from tests.runs import read_metrics
 
 HOLD_LOCK = ("import sys, time\nfrom rlver_jax import workdir\n"
              "lock = workdir.RunLock.acquire(sys.argv[1])\nprint('held', flush=True)\ntime.sleep(120)\n")
@@ -162,3 +166,65 @@ def test_an_early_failure_ends_in_its_one_line_with_no_checkpointing_traceback(t
     assert run.returncode == 1
     assert run.stderr.strip().splitlines()[-1] == "error: /no/such/profiles.jsonl: no such file"
     assert "Traceback" not in run.stderr and "cannot schedule" not in run.stderr, run.stderr
+
+
+def test_a_no_space_error_is_found_anywhere_in_an_exception_chain():
+  full = OSError(errno.ENOSPC, "No space left on device")
+  assert workdir.no_space_error(full) is full
+  over_quota = OSError(errno.EDQUOT, "Disk quota exceeded")
+  try:
+    try:
+      raise over_quota
+    except OSError:
+      raise RuntimeError("a save failed")  # the quota error is its __context__
+  except RuntimeError as e:
+    assert workdir.no_space_error(ExceptionGroup("writes", [ValueError("x"), e])) is over_quota
+  # Orbax's array writes fail as tensorstore's ValueError, which names the OS error's number.
+  tensorstore = ValueError('RESOURCE_EXHAUSTED: Error writing "x" in OCDBT database: Failed to '
+                           "write 269258 bytes to file 14: No space left on device "
+                           "[os_error_code='28']")
+  assert workdir.no_space_error(RuntimeError("wrapped")) is None
+  wrapped = RuntimeError("save failed")
+  wrapped.__cause__ = tensorstore
+  assert workdir.no_space_error(wrapped) is tensorstore
+  assert workdir.no_space_error(OSError(errno.EACCES, "Permission denied")) is None
+  assert workdir.no_space_error(ValueError("[os_error_code='13']")) is None
+
+
+def _full_disk_run(write, *flags):
+  """The training CLI whose `write` fails for lack of space (tests/rlver_jax/full_disk_main.py)."""
+  return cli_run.run_module("tests.rlver_jax.full_disk_main", *flags,
+                            env=cpu_env(RLVER_FULL_DISK=write))
+
+
+def _no_space_line(run, workdir_path, rerun_to):
+  assert run.returncode == workdir.NO_SPACE_EXIT_CODE, run.stderr[-3000:]
+  last = cli_run.last_line_only_error(run.stderr)
+  assert re.fullmatch(rf"error: no space left on device under {re.escape(str(workdir_path))} "
+                      rf"\(\d+ MiB free\); free space and rerun the same command "
+                      rf"{re.escape(rerun_to)}", last), last
+
+
+def test_a_full_disk_at_start_up_ends_in_one_line_with_its_own_exit_status(tmp_path):
+  run = _full_disk_run("lock", f"--config.workdir={tmp_path}", "--config.steps=1")
+  _no_space_line(run, tmp_path, "to start from the beginning (no checkpoint was complete)")
+  assert not (tmp_path / "config.json").exists()  # stopped before anything was written
+
+
+@pytest.mark.heavy
+def test_a_full_disk_in_a_checkpoint_save_names_the_step_to_resume_at_and_the_rerun_loses_nothing(
+    tmp_path):
+  flags = [f"--config.workdir={tmp_path}", "--config.steps=3", "--config.batch_size=4",
+           "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1",
+           "--config.policy.tiny_warmup_steps=2", "--config.mesh.fsdp=1"]
+  run = _full_disk_run("checkpoint:2", *flags)
+  _no_space_line(run, tmp_path, "to resume at step 1")
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["1"]  # the last complete one, whole
+  assert (tmp_path / workdir.LOCK_FILE).read_text() == ""  # released
+  before = read_metrics(tmp_path)
+
+  rerun = cli_run.rerun(flags)
+  assert "at step 1" in rerun.stderr.split("resumed from")[1].splitlines()[0]
+  after = read_metrics(tmp_path)
+  assert [r["step"] for r in after] == [1, 2, 3]
+  assert after[0] == before[0]  # step 1 kept, not redone
