@@ -38,6 +38,9 @@ def get_config(arg: str = ""):
   c.policy.dtype = "float32"
   c.policy.remat = False
   c.rollout.sampling_dtype = ""  # float32 throughout: the sampler reads the training weights
+  # so the sampler-learner mismatch is nil (|d log p| < 1e-5, tests/rl/test_step.py): no pass
+  # of the policy to measure it, a step's forward passes stay the critic's and the reference's.
+  c.rl.log_mismatch = False
 
   c.data.train_profiles = profiles.DEMO_PROFILES
   c.sim_user.backend = "scripted"

@@ -30,6 +30,7 @@ AGGREGATIONS = (TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_MEAN)
 ALGORITHMS = ("ppo", "grpo")
 REWARDS = ("final", "turn")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+OLD_LOGPROBS = ("sampler", "learner")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +55,12 @@ class RLConfig(config_section.Section):
     kl_in_reward: the KL as a per-token reward penalty, not a loss term.
     loss_agg: token-mean | seq-mean-token-sum | seq-mean-token-mean.
     reward: final (the last emotion) | turn (each reply's change; an ablation).
+    old_logprobs: the PPO ratio's old log-probs: sampler (the sampler's own, drawn with the
+      tokens; verl's bypass mode) | learner (one forward pass of the policy at the step's
+      starting weights, as the authors' release: the trust region then spends nothing on the
+      sampler's numerics).
+    log_mismatch: measure the sampler-learner mismatch every step (mismatch/*, rl/mismatch.py)
+      with that forward pass; learner takes it anyway.
   """
   algorithm: str = "ppo"
   gamma: float = 1.0
@@ -70,6 +77,19 @@ class RLConfig(config_section.Section):
   kl_in_reward: bool = False
   loss_agg: str = TOKEN_MEAN
   reward: str = "final"
+  old_logprobs: str = "sampler"
+  log_mismatch: bool = True
+
+  @property
+  def learner_logprobs_pass(self) -> bool:
+    """Whether a step scores its tokens with the policy at its starting weights."""
+    return self.old_logprobs == "learner" or self.log_mismatch
+
+  @property
+  def clip_range(self) -> tuple[float, float]:
+    """The PPO ratio's (low, high) clip: it is clipped to [1 - low, 1 + high]."""
+    high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+    return self.clip_ratio, high
 
   @property
   def uses_critic(self) -> bool:
@@ -91,6 +111,7 @@ class RLConfig(config_section.Section):
     p.one_of("reward", REWARDS)
     p.one_of("loss_agg", AGGREGATIONS)
     p.one_of("kl_estimator", KL_ESTIMATORS)
+    p.one_of("old_logprobs", OLD_LOGPROBS)
     p.require("gamma", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
     p.require("lam", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
     p.require("clip_ratio", config_section.positive, "must be > 0")

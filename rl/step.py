@@ -1,9 +1,11 @@
 """One PPO/GRPO training step after its rollout, and the learner programs it runs.
 
 `AlgorithmStep.run` takes a step's collected samples through the algorithm:
-collation into the global batch; the critic's value pass (PPO) and the
-reference policy's log-prob pass (with a KL penalty), each in micro-batches
-of the update's size; the advantages; then, for each of `ppo_epochs x
+collation into the global batch; the policy's log-prob pass at the step's
+starting weights (the sampler-learner mismatch, `rl.mismatch`, and with
+`rl.old_logprobs=learner` the ratio's old log-probs), the critic's value pass
+(PPO) and the reference policy's log-prob pass (with a KL penalty), each in
+micro-batches of the update's size; the advantages; then, for each of `ppo_epochs x
 num_minibatches` mini-batches, the policy's and the critic's updates, an
 update with a non-finite loss or gradient skipped (too many stop the run);
 it returns the step's algorithm metrics. A mini-batch of one micro-batch is
@@ -37,7 +39,7 @@ from models.errors import RunStopped
 from models.programs import Program
 from rl import advantages as advantages_lib
 from rl import batch as batch_lib
-from rl import forward, learner, losses, updates
+from rl import forward, learner, losses, mismatch, updates
 from rl.batch import TrainBatch
 from rl.losses import RLConfig
 
@@ -195,7 +197,7 @@ class AlgorithmStep:
     algorithm metrics, this host's."""
     start = time.perf_counter()
     with self.turns.turn():  # on several devices, a rollout's turns come between these
-      batch = self._scored_batch(samples)
+      batch, mismatch_metrics = self._scored_batch(samples)
     # old_logprobs_bt are the sampler's log-probs of the tokens it drew: the behaviour policy's,
     # also when it is a step behind (off_policy_steps=1), so the losses' ratio corrects for it.
     minibatches = self._minibatches(batch.for_update(), len(samples))
@@ -211,22 +213,32 @@ class AlgorithmStep:
     out = {key: float(np.mean([m[key] for m in finite]))
            for key in updates.UPDATE_METRICS if key in finite[0]}
     out.update({"updates": len(update_metrics), "lr": policy_lr, "skipped_updates": skipped,
-                "time/train": train_seconds, "samples": len(samples)})
+                "time/train": train_seconds, "samples": len(samples), **mismatch_metrics})
     return out
 
-  def _scored_batch(self, samples: Sequence[batch_lib.Sample]) -> TrainBatch:
-    """The global batch with the critic's values, the reference log-probs and advantages;
-    the value and reference passes run in micro-batches of the update's rows."""
-    c = self.config
+  def _scored_batch(self, samples: Sequence[batch_lib.Sample]) -> tuple[TrainBatch, dict]:
+    """The global batch with the critic's values, the reference log-probs and advantages,
+    and the sampler-learner mismatch (`rl.mismatch`; {} without the policy's pass). The
+    policy's, value and reference passes run in micro-batches of the update's rows; with
+    `rl.old_logprobs=learner` the policy's log-probs become the ratio's old ones."""
+    c, cfg = self.config, self.loss_cfg
     batch = self.collate(samples, c.micro_multiple * c.num_minibatches)
     micro_rows = batch.rows // (c.num_minibatches * c.grad_accum)
+    mismatch_metrics = {}
+    if cfg.learner_logprobs_pass:
+      learner_logprobs_bt = self.policy.apply_in_micro_batches(
+          forward.sequence_logprobs, batch, micro_rows, temperature=c.temperature)
+      mismatch_metrics = mismatch.measure(batch.old_logprobs_bt, learner_logprobs_bt,
+                                          batch.loss_mask_bt, *cfg.clip_range)
+      if cfg.old_logprobs == "learner":
+        batch = batch.replace(old_logprobs_bt=learner_logprobs_bt)
     if self.critic is not None:
       batch = batch.replace(old_values_bt=self.critic.apply_in_micro_batches(
           forward.critic_values, batch, micro_rows))
     if self.reference is not None:
       batch = batch.replace(ref_logprobs_bt=self.reference.apply_in_micro_batches(
           forward.sequence_logprobs, batch, micro_rows, temperature=self.config.temperature))
-    return advantages_lib.compute_advantages(batch, self.loss_cfg)
+    return advantages_lib.compute_advantages(batch, self.loss_cfg), mismatch_metrics
 
   def _minibatches(self, batch: TrainBatch, real_rows: int) -> list[TrainBatch]:
     """One epoch's mini-batches: `num_minibatches` equal ones, or in thinking mode the first
@@ -275,6 +287,11 @@ class AlgorithmStep:
     inputs = lambda model: abstract_batch(model.mesh, shape, targets=False)
     passes = shape.minibatches * shape.grad_accum  # micro-batches of the value and ref passes
     out = {}
+    if self.loss_cfg.learner_logprobs_pass:
+      out["policy/logprobs"] = Program(
+          policy.forward(forward.sequence_logprobs, temperature=self.config.temperature),
+          (policy.params, inputs(policy)), policy.mesh, resident=policy.params, calls=passes,
+          work={"kind": "forward", "rows": shape.micro_batch, "tokens": shape.seq_len})
     if critic is not None:
       out["critic/values"] = Program(
           critic.forward(forward.critic_values), (critic.params, inputs(critic)), critic.mesh,

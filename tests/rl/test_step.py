@@ -1,11 +1,15 @@
 """The training step (rl/step.py) on its own: learners and samples, no trainer, hosts or user."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
 from models import partitioning, qwen2
-from rl import learner, step, updates
+from models.sampler import Sampler
+from models.sampling import SamplingParams
+from rl import learner, mismatch, step, updates
 from rl.agent import Sample
 from rl.losses import RLConfig
 
@@ -40,4 +44,68 @@ def test_a_grpo_step_trains_on_samples_alone_and_lists_the_programs_it_ran():
       jax.tree.leaves(before), jax.tree.leaves(jax.device_get(policy.params))))
   shape = step.StepShape(micro_batch=2, seq_len=32, grad_accum=2, minibatches=4, critic=False)
   assert list(algorithm.programs(shape)) == [
-      "policy/gradients", "policy/accumulate_gradients", "policy/apply_gradients"]
+      "policy/logprobs", "policy/gradients", "policy/accumulate_gradients",
+      "policy/apply_gradients"]
+
+
+# Peaked logits (a wide initialisation), as a trained model's: where bf16 moves them most.
+PEAKED = dataclasses.replace(MODEL, num_layers=2, initializer_range=0.5)
+
+
+def _sampled(model, sampling_dtype, count: int = 8) -> list[Sample]:
+  """`count` replies of 16 tokens the sampler drew (with their log-probs) from `model`."""
+  sampler = Sampler(model, stop_token_ids=[PEAKED.vocab_size], sampling_dtype=sampling_dtype)
+  prompts = [[1 + i, 2 + i, 3 + i, 4 + i] for i in range(count)]
+  out = sampler.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0),
+                         jax.random.key(0))
+  return [Sample(tokens=prompt + list(tokens), loss_mask=[0] * len(prompt) + [1] * len(tokens),
+                 logprobs=[0.0] * len(prompt) + list(logprobs), reward=float(i % 2),
+                 group=i // 2, dialogue=i)
+          for i, (prompt, tokens, logprobs) in enumerate(zip(prompts, out.tokens, out.logprobs))]
+
+
+def _step_at_unmoved_weights(dtype, sampling_dtype, old_logprobs):
+  """The first step's metrics (learning rate 0: every update at the weights that sampled)."""
+  mesh = partitioning.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
+  model = qwen2.init_random(PEAKED, seed=1, dtype=dtype, param_dtype="float32")
+  # A clip of 2%: this small model's bf16 gap (|d log p| 0.01 on average, 0.06 at most) then
+  # puts tokens outside it, as a 4-layer Qwen2-shaped one's does outside 0.2.
+  cfg = RLConfig(algorithm="grpo", old_logprobs=old_logprobs, clip_ratio=0.02)
+  optim = learner.AdamWConfig(lr=0.0)
+  samples = _sampled(model, sampling_dtype)
+  policy = learner.Learner(model, learner.make_optimizer(optim), updates.policy_loss, cfg, mesh)
+  algorithm = step.AlgorithmStep(policy, None, None, cfg, step.StepConfig(
+      num_minibatches=2, policy_optim=optim))
+  return algorithm.run(1, samples)
+
+
+@pytest.mark.heavy
+def test_the_mismatch_is_measured_every_step_nil_in_fp32_and_gone_from_the_ratio_with_learner():
+  exact = _step_at_unmoved_weights("float32", None, "sampler")
+  assert exact["mismatch/abs_logp_diff_max"] < 1e-5 and exact["mismatch/outside_clip"] == 0
+  assert exact["mismatch/probs_pearson"] > 0.99999
+  bf16 = _step_at_unmoved_weights("bfloat16", "bfloat16", "sampler")
+  assert bf16["mismatch/abs_logp_diff_mean"] > 1e-3, bf16  # the bf16 decode against the pass
+  assert bf16["mismatch/abs_logp_diff_p99"] <= bf16["mismatch/abs_logp_diff_max"]
+  assert bf16["mismatch/outside_clip"] > 0 and bf16["clip_frac"] > 0  # clipped before moving
+  # The ratio against the learner's own log-probs: nothing clipped at unmoved weights.
+  learner_old = _step_at_unmoved_weights("bfloat16", "bfloat16", "learner")
+  assert learner_old["clip_frac"] == 0 and learner_old["mismatch/outside_clip"] > 0
+
+
+def test_the_mismatch_figures_on_numbers_worked_by_hand():
+  sampler_p = np.array([[0.5, 0.5, 0.2, 0.9]])
+  learner_p = np.array([[0.5, 0.6, 0.1, 0.1]])  # the last token is not the agent's
+  figures = mismatch.measure(np.log(sampler_p), np.log(learner_p), np.array([[1, 1, 1, 0]]),
+                             0.2, 0.25)
+  diffs = np.abs(np.log([1.0, 1.2, 0.5]))
+  assert figures["mismatch/abs_logp_diff_mean"] == pytest.approx(diffs.mean())
+  assert figures["mismatch/abs_logp_diff_max"] == pytest.approx(np.log(2))
+  assert figures["mismatch/abs_logp_diff_p99"] == pytest.approx(np.quantile(diffs, 0.99))
+  assert figures["mismatch/ratio_mean"] == pytest.approx((1.0 + 1.2 + 0.5) / 3)
+  assert figures["mismatch/outside_clip"] == pytest.approx(1 / 3)  # 0.5 < 0.8; 1.2 <= 1.25
+  assert figures["mismatch/probs_pearson"] == pytest.approx(
+      np.corrcoef([0.5, 0.5, 0.2], [0.5, 0.6, 0.1])[0, 1])
+  assert mismatch.measure(sampler_p, learner_p, np.zeros((1, 4)), 0.2, 0.2) == {}
+  assert mismatch.pearson(np.ones(3), np.ones(3)) == 1.0
+  assert mismatch.pearson(np.ones(3), np.arange(3.0)) == 0.0

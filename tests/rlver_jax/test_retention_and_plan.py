@@ -95,7 +95,7 @@ def test_plan_compiles_every_program_on_eight_fake_devices():
       run=plan.run_from_settings(mesh_axes={"data": 1, "fsdp": 1, "tensor": 1}, critic=False),
       model=small, model_name="small", micro_batch=8, seq_len=128, sampler=False))
   programs = sharded["programs"]
-  assert set(programs) == {"policy/update", "critic/values", "critic/update",
+  assert set(programs) == {"policy/logprobs", "policy/update", "critic/values", "critic/update",
                            "reference/logprobs", "sampler/copy_weights",
                            "sampler/prefill_rows[w=8,t=128,s=256,c=256]",
                            "sampler/decode_rows[w=8,s=256,c=256]",
