@@ -64,6 +64,7 @@ class TrainBatch:
   ref_logprobs_bt: np.ndarray | None = None  # [B, T-1] float32, the reference policy's
   advantages_bt: np.ndarray | None = None  # [B, T-1] float32
   returns_bt: np.ndarray | None = None  # [B, T-1] float32 (GAE; zeros for GRPO)
+  is_weights_bt: np.ndarray | None = None  # [B, T-1] float32, rl.rollout_correction's weights
 
   @property
   def rows(self) -> int:

@@ -31,6 +31,7 @@ ALGORITHMS = ("ppo", "grpo")
 REWARDS = ("final", "turn")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 OLD_LOGPROBS = ("sampler", "learner")
+ROLLOUT_CORRECTIONS = ("none", "token_tis")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,11 @@ class RLConfig(config_section.Section):
       sampler's numerics).
     log_mismatch: measure the sampler-learner mismatch every step (mismatch/*, rl/mismatch.py)
       with that forward pass; learner takes it anyway.
+    rollout_correction: none | token_tis: with old_logprobs=learner, each token's policy loss
+      times the detached weight min(p_old / p_sampler, rollout_is_threshold) (verl's
+      rollout_correction, Tunix's sampler_is="token"); it also corrects the one update a
+      sampler lags with rollout.off_policy_steps=1.
+    rollout_is_threshold: token_tis's truncation of the importance weight.
   """
   algorithm: str = "ppo"
   gamma: float = 1.0
@@ -79,6 +85,8 @@ class RLConfig(config_section.Section):
   reward: str = "final"
   old_logprobs: str = "sampler"
   log_mismatch: bool = True
+  rollout_correction: str = "none"
+  rollout_is_threshold: float = 2.0
 
   @property
   def learner_logprobs_pass(self) -> bool:
@@ -112,6 +120,13 @@ class RLConfig(config_section.Section):
     p.one_of("loss_agg", AGGREGATIONS)
     p.one_of("kl_estimator", KL_ESTIMATORS)
     p.one_of("old_logprobs", OLD_LOGPROBS)
+    p.one_of("rollout_correction", ROLLOUT_CORRECTIONS)
+    p.require("rollout_is_threshold", lambda v: v >= 1.0, "must be >= 1 (a weight of 1 is "
+              "an exact match)")
+    if self.rollout_correction != "none":
+      p.require("old_logprobs", lambda v: v == "learner", "must be learner with "
+                f"rollout_correction={self.rollout_correction} (its weight is p_old / "
+                "p_sampler; with the sampler's log-probs as the old ones it is 1)")
     p.require("gamma", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
     p.require("lam", lambda v: 0.0 <= v <= 1.0, "must be in [0, 1]")
     p.require("clip_ratio", config_section.positive, "must be > 0")
@@ -168,8 +183,10 @@ def _token_mean(x_bt, mask_bt, norm: Normaliser | None):
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_ratio: float = 0.2,
                 clip_ratio_high: float | None = None, dual_clip: float | None = 3.0,
-                agg: str = TOKEN_MEAN, norm: Normaliser | None = None):
-  """verl's clipped surrogate with dual clip, over [B, T] arrays.
+                agg: str = TOKEN_MEAN, norm: Normaliser | None = None, is_weights=None):
+  """verl's clipped surrogate with dual clip, over [B, T] arrays; with `is_weights` (the
+  rollout correction's truncated importance weights, [B, T]) each token's loss is weighted by
+  its own after the clips, as verl's `pg_losses * rollout_is_weights`.
 
   The log-ratio is clamped to +-LOG_RATIO_LIMIT before `exp`. With
   `dual_clip` = c > 1 (verl's clip_ratio_c), a negative-advantage token's
@@ -194,6 +211,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_ratio: float =
     capped_bt = (advantages < 0) & (loss_bt > cap_bt)
     loss_bt = jnp.where(capped_bt, cap_bt, loss_bt)
     metrics["pg_clipfrac_lower"] = _token_mean(capped_bt, mask, norm)
+  if is_weights is not None:
+    loss_bt = loss_bt * jax.lax.stop_gradient(is_weights)
   return aggregate(loss_bt, mask, agg, norm), metrics
 
 

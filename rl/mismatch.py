@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from models import host_metrics
+from rl.losses import LOG_RATIO_LIMIT
 
 PREFIX = "mismatch/"
 # Every host computes them from the same global batch: any host's are the step's.
@@ -51,6 +52,29 @@ def measure(sampler_logprobs_bt: np.ndarray, learner_logprobs_bt: np.ndarray,
       f"{PREFIX}ratio_mean": float(ratio.mean()),
       f"{PREFIX}outside_clip": float(np.mean((ratio < 1 - clip_low) | (ratio > 1 + clip_high))),
   }
+
+
+def truncated_is_weights(sampler_logprobs_bt: np.ndarray, old_logprobs_bt: np.ndarray,
+                         loss_mask_bt: np.ndarray, threshold: float
+                         ) -> tuple[np.ndarray, dict[str, float]]:
+  """`rl.rollout_correction=token_tis`: each token's weight min(p_old / p_sampler, threshold)
+  ([B, T - 1] float32, 0 off the agent's tokens), as verl's token-level truncated IS and
+  Tunix's sampler_is="token"; and its figures over the agent's tokens:
+
+    mismatch/is_weight_mean   the weights' mean, as applied (truncated)
+    mismatch/is_weight_max    the largest weight before the truncation
+    mismatch/is_truncated     the share of tokens whose weight was truncated
+  """
+  mask = np.asarray(loss_mask_bt) > 0
+  log_ratio = np.clip(np.asarray(old_logprobs_bt, np.float64) - sampler_logprobs_bt,
+                      -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+  raw = np.exp(log_ratio)
+  weights_bt = np.where(mask, np.minimum(raw, threshold), 0.0).astype(np.float32)
+  if not mask.any():
+    return weights_bt, {}
+  return weights_bt, {f"{PREFIX}is_weight_mean": float(weights_bt[mask].mean()),
+                      f"{PREFIX}is_weight_max": float(raw[mask].max()),
+                      f"{PREFIX}is_truncated": float(np.mean(raw[mask] > threshold))}
 
 
 def pearson(x: np.ndarray, y: np.ndarray) -> float:

@@ -61,7 +61,8 @@ class StepShape:
   the value and reference passes'); `grad_accum` micro-batches per
   mini-batch; `minibatches` mini-batch updates per step (ppo_epochs x
   num_minibatches); `critic` (PPO) and `reference` (a KL penalty) say which
-  models the step has.
+  models the step has; `is_weights`, whether the policy's updates read the rollout
+  correction's weights.
   """
   micro_batch: int
   seq_len: int
@@ -69,6 +70,7 @@ class StepShape:
   minibatches: int = 1
   critic: bool = True
   reference: bool = False
+  is_weights: bool = False
 
 
 def abstract_batch(mesh: Mesh, shape: StepShape, *, targets: bool) -> TrainBatch:
@@ -87,6 +89,8 @@ def abstract_batch(mesh: Mesh, shape: StepShape, *, targets: bool) -> TrainBatch
     batch = batch.replace(old_values_bt=target())
   if shape.reference:
     batch = batch.replace(ref_logprobs_bt=target())
+  if shape.is_weights:
+    batch = batch.replace(is_weights_bt=target())
   return batch
 
 
@@ -230,6 +234,12 @@ class AlgorithmStep:
           forward.sequence_logprobs, batch, micro_rows, temperature=c.temperature)
       mismatch_metrics = mismatch.measure(batch.old_logprobs_bt, learner_logprobs_bt,
                                           batch.loss_mask_bt, *cfg.clip_range)
+      if cfg.rollout_correction == "token_tis":
+        is_weights_bt, is_metrics = mismatch.truncated_is_weights(
+            batch.old_logprobs_bt, learner_logprobs_bt, batch.loss_mask_bt,
+            cfg.rollout_is_threshold)
+        batch = batch.replace(is_weights_bt=is_weights_bt)
+        mismatch_metrics.update(is_metrics)
       if cfg.old_logprobs == "learner":
         batch = batch.replace(old_logprobs_bt=learner_logprobs_bt)
     if self.critic is not None:

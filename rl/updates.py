@@ -24,8 +24,8 @@ from rl.losses import RLConfig
 
 # The update metrics a training step reports, each the mean over the step's finite updates:
 # every host updates on the same global batch, so hosts have them alike (their plain mean).
-UPDATE_METRICS = ("kl", "approx_kl", "entropy", "clip_frac", "pg_clipfrac_lower", "pg_loss",
-                  "value_loss", "value_clip_frac", "grad_norm")
+UPDATE_METRICS = ("kl", "approx_kl", "entropy", "clip_frac", "pg_clipfrac_lower", "ratio_mean",
+                  "pg_loss", "value_loss", "value_clip_frac", "grad_norm")
 host_metrics.declare({name: host_metrics.MEAN for name in UPDATE_METRICS})
 
 
@@ -38,7 +38,8 @@ def policy_loss(graphdef, cfg: RLConfig, params, batch: TrainBatch,
                                                             temperature)
   pg_loss, metrics = losses.policy_loss(
       logprobs, batch.old_logprobs_bt, batch.advantages_bt, mask, clip_ratio=cfg.clip_ratio,
-      clip_ratio_high=cfg.clip_ratio_high, dual_clip=cfg.dual_clip, agg=cfg.loss_agg, norm=norm)
+      clip_ratio_high=cfg.clip_ratio_high, dual_clip=cfg.dual_clip, agg=cfg.loss_agg, norm=norm,
+      is_weights=batch.is_weights_bt)
   entropy = losses.aggregate(entropy_bt, mask, cfg.loss_agg, norm)
   loss = pg_loss - cfg.entropy_coef * entropy
   kl = jnp.zeros(())

@@ -284,7 +284,8 @@ class _Planner:
     self.mesh = self.meshes(self.configured_hosts or 1).train
     self.learners = builder.learners(self.run, self._abstract_model, self.mesh, abstract=True)
     self.shape = step.StepShape(self._micro_batch(), spec.seq_len, spec.grad_accum,
-                                spec.minibatches, spec.critic, spec.reference)
+                                spec.minibatches, spec.critic, spec.reference,
+                                is_weights=self.run.rl.rollout_correction != "none")
 
   def _first_hosts(self, hosts: int) -> list:
     first = sorted({d.process_index for d in self.devices})[:hosts]

@@ -1,10 +1,11 @@
 """Advantages and losses against plain-numpy formulas."""
 
+import jax
 import numpy as np
 import pytest
 
 import rl
-from rl import advantages, forward, learner, losses, updates
+from rl import advantages, forward, learner, losses, mismatch, updates
 from rl import batch as batch_lib
 from rl.batch import Sample, TrainBatch
 from rl.losses import RLConfig
@@ -145,6 +146,30 @@ def verl_policy_loss(new, old, adv, mask, mode, clip=0.2, clip_ratio_c=3.0):
   per_token = np.where(adv < 0, np.minimum(losses3, clip_losses1), clip_losses1)
   return (verl_agg_loss(per_token, mask, mode), clipfrac, (-log_ratio * mask).sum() / mask.sum(),
           clipfrac_lower, per_token)
+
+
+@pytest.mark.parametrize("mode", losses.AGGREGATIONS)
+def test_token_tis_matches_verls_rollout_correction(mode):
+  """verl's rollout correction at token level: w = min(exp(old - rollout), threshold), from
+  the log-probs, detached; the per-token policy loss (after the dual clip) times w."""
+  new, old, adv, mask = _arrays()
+  rollout = old + np.random.RandomState(5).randn(*old.shape) * 0.8  # some w past 2
+  weights, figures = mismatch.truncated_is_weights(rollout, old, mask, threshold=2.0)
+  reference_w = np.minimum(np.exp(np.clip(old - rollout, -20, 20)), 2.0)
+  np.testing.assert_allclose(weights, reference_w * (mask > 0), rtol=1e-6)
+  loss, _ = rl.policy_loss(new, old, adv, mask, clip_ratio=0.2, agg=mode, is_weights=weights)
+  *_, per_token = verl_policy_loss(new, old, adv, mask, mode)
+  np.testing.assert_allclose(loss, verl_agg_loss(per_token * reference_w, mask, mode),
+                             rtol=1e-5)
+  raw = np.exp(old - rollout)[mask > 0]
+  assert figures["mismatch/is_truncated"] == pytest.approx(np.mean(raw > 2.0))
+  assert figures["mismatch/is_truncated"] > 0
+  assert figures["mismatch/is_weight_max"] == pytest.approx(raw.max())
+  assert figures["mismatch/is_weight_mean"] == pytest.approx(np.minimum(raw, 2.0).mean())
+  # Detached, as verl's: no gradient flows into the weights.
+  to_weights = jax.grad(lambda w: rl.policy_loss(new, old, adv, mask, agg=mode,
+                                                 is_weights=w)[0])(weights)
+  assert not np.any(to_weights)
 
 
 def verl_value_loss(values, old, returns, mask, clip, mode="token-mean"):

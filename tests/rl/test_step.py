@@ -64,13 +64,14 @@ def _sampled(model, sampling_dtype, count: int = 8) -> list[Sample]:
           for i, (prompt, tokens, logprobs) in enumerate(zip(prompts, out.tokens, out.logprobs))]
 
 
-def _step_at_unmoved_weights(dtype, sampling_dtype, old_logprobs):
+def _step_at_unmoved_weights(dtype, sampling_dtype, old_logprobs, correction="none"):
   """The first step's metrics (learning rate 0: every update at the weights that sampled)."""
   mesh = partitioning.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   model = qwen2.init_random(PEAKED, seed=1, dtype=dtype, param_dtype="float32")
   # A clip of 2%: this small model's bf16 gap (|d log p| 0.01 on average, 0.06 at most) then
   # puts tokens outside it, as a 4-layer Qwen2-shaped one's does outside 0.2.
-  cfg = RLConfig(algorithm="grpo", old_logprobs=old_logprobs, clip_ratio=0.02)
+  cfg = RLConfig(algorithm="grpo", old_logprobs=old_logprobs, clip_ratio=0.02,
+                 rollout_correction=correction)
   optim = learner.AdamWConfig(lr=0.0)
   samples = _sampled(model, sampling_dtype)
   policy = learner.Learner(model, learner.make_optimizer(optim), updates.policy_loss, cfg, mesh)
@@ -91,6 +92,20 @@ def test_the_mismatch_is_measured_every_step_nil_in_fp32_and_gone_from_the_ratio
   # The ratio against the learner's own log-probs: nothing clipped at unmoved weights.
   learner_old = _step_at_unmoved_weights("bfloat16", "bfloat16", "learner")
   assert learner_old["clip_frac"] == 0 and learner_old["mismatch/outside_clip"] > 0
+  assert "mismatch/is_weight_mean" not in learner_old
+  # With the truncated IS correction: weights near 1 (nothing past 2 at this gap).
+  corrected = _step_at_unmoved_weights("bfloat16", "bfloat16", "learner", "token_tis")
+  assert corrected["clip_frac"] == 0 and corrected["mismatch/is_truncated"] == 0
+  assert abs(corrected["mismatch/is_weight_mean"] - 1) < 0.05
+  assert corrected["mismatch/is_weight_max"] > 1
+  assert corrected["pg_loss"] != learner_old["pg_loss"]  # the weights entered the loss
+
+
+def test_token_tis_needs_the_learners_old_logprobs():
+  [problem] = RLConfig(rollout_correction="token_tis").problems()
+  assert problem.startswith("old_logprobs='sampler': must be learner with "
+                            "rollout_correction=token_tis"), problem
+  assert not RLConfig(rollout_correction="token_tis", old_logprobs="learner").problems()
 
 
 def test_the_mismatch_figures_on_numbers_worked_by_hand():
