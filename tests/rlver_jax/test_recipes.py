@@ -129,6 +129,8 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
       assert r["grad_norm"] > 0
     if config.rl.algorithm == "ppo":
       assert np.isfinite(r["value_loss"])
+    if run.config.rl.learner_logprobs_pass:  # the sampler-learner mismatch, every step
+      assert 0 <= r["mismatch/abs_logp_diff_mean"] <= r["mismatch/abs_logp_diff_max"], r
   # batch_size counts profiles; each is sampled samples_per_profile times.
   assert run.order.position == 2 * config.batch_size
   assert records[0]["agent_turns/generated"] >= (config.batch_size *
@@ -208,6 +210,18 @@ def test_every_shipped_recipe_has_a_runner():
 def test_recipe_runs_as_shipped(recipe, tmp_path, tiny_checkpoint, profile_file, serve):
   config = load_config(*recipe)
   RUNNERS[recipe](config, tmp_path, tiny_checkpoint, profile_file, serve)
+
+
+@pytest.mark.heavy
+def test_ppo_runs_decoupled_with_its_rollout_correction(tmp_path, tiny_checkpoint, profile_file,
+                                                        serve):
+  """The recipe with the other choice of old log-probs (the learner's pass) and token_tis."""
+  config = ppo.get_config()
+  config.rl.old_logprobs, config.rl.rollout_correction = "learner", "token_tis"
+  run_training(config, tmp_path, tiny_checkpoint, profile_file, serve)
+  for r in metrics_lib.read_appended_jsonl(os.path.join(config.workdir, "metrics.jsonl")):
+    assert 0 < r["mismatch/is_weight_mean"] <= config.rl.rollout_is_threshold, r
+    assert 0 <= r["mismatch/is_truncated"] <= 1
 
 
 def test_shipped_numbers():
