@@ -94,6 +94,11 @@ class RLConfig(config_section.Section):
     return self.old_logprobs == "learner" or self.log_mismatch
 
   @property
+  def weights_policy_loss(self) -> bool:
+    """Whether the rollout correction weights each token's policy loss (`is_weights_bt`)."""
+    return self.rollout_correction != "none"
+
+  @property
   def clip_range(self) -> tuple[float, float]:
     """The PPO ratio's (low, high) clip: it is clipped to [1 - low, 1 + high]."""
     high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high

@@ -234,7 +234,7 @@ class AlgorithmStep:
           forward.sequence_logprobs, batch, micro_rows, temperature=c.temperature)
       mismatch_metrics = mismatch.measure(batch.old_logprobs_bt, learner_logprobs_bt,
                                           batch.loss_mask_bt, *cfg.clip_range)
-      if cfg.rollout_correction == "token_tis":
+      if cfg.weights_policy_loss:  # token_tis, the one correction
         is_weights_bt, is_metrics = mismatch.truncated_is_weights(
             batch.old_logprobs_bt, learner_logprobs_bt, batch.loss_mask_bt,
             cfg.rollout_is_threshold)

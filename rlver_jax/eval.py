@@ -211,11 +211,12 @@ def _evaluate(config: sections.EvalRun, config_dict) -> dict:
               "seed": config.seed}
   # From the records, resumed ones included: a rerun changes only what it recomputed.
   summary = summarize(records, {p.id: p for p in profiles}, settings, events)
-  _write_json(os.path.join(config.workdir, "summary.json"), summary)
+  summary_path = os.path.join(config.workdir, "summary.json")
+  _write_json(summary_path, summary)
   summary["plots"] = plot(records, config.workdir)
   print(f"evaluation of {len(records)} profiles written to {os.path.abspath(config.workdir)}:\n"
         + "\n".join(f"  {name + ':':9s}{os.path.abspath(path)}" for name, path in (
-            ("results", results_path), ("summary", os.path.join(config.workdir, "summary.json")),
+            ("results", results_path), ("summary", summary_path),
             *(("plot", path) for path in summary["plots"]))), flush=True)
   logging.info("score %.2f, success %.1f%%, failure %.1f%% over %d dialogues (%d failed for "
                "infrastructure reasons, not scored); %.1f%% of agent turns cut off at "

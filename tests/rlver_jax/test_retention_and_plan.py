@@ -206,13 +206,18 @@ def test_plan_cli_prints_a_verdict(tmp_path):
       result["unsharded_weights_gib"] / 2 / 2, rel=0.05)
 
 
+def _with_fake_gcloud(tmp_path, script: str) -> dict[str, str]:
+  """An environment for run_tpu.sh whose `gcloud` is a shell `script` in tmp_path."""
+  fake = tmp_path / "gcloud"
+  fake.write_text(f"#!/bin/sh\n{script}\n")
+  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+  return {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "TPU_NAME": "rlver",
+          "ZONE": "us-central2-b", "PROJECT": "p"}
+
+
 def test_run_tpu_sh_drives_gcloud_on_all_workers(tmp_path):
   log = tmp_path / "gcloud.log"
-  fake = tmp_path / "gcloud"
-  fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n')
-  fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
-  env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "TPU_NAME": "rlver",
-         "ZONE": "us-central2-b", "PROJECT": "p"}
+  env = _with_fake_gcloud(tmp_path, f'echo "$@" >> {log}')
   for args in (["create"], ["setup"], ["run", "rlver_jax.main", "--config=configs/ppo.py",
                                        "--config.workdir=gs://b/run 1"], ["delete"]):
     result = subprocess.run(["bash", os.path.join(ROOT, "run_tpu.sh"), *args], env=env,
@@ -233,11 +238,7 @@ def test_run_tpu_sh_drives_gcloud_on_all_workers(tmp_path):
 
 def test_run_tpu_sh_has_help_and_a_dry_run_that_calls_no_gcloud(tmp_path):
   called = tmp_path / "gcloud_was_called"
-  forbidden = tmp_path / "gcloud"
-  forbidden.write_text(f'#!/bin/sh\necho "$@" > {called}\nexit 97\n')
-  forbidden.chmod(forbidden.stat().st_mode | stat.S_IEXEC)
-  env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "TPU_NAME": "rlver",
-         "ZONE": "us-central2-b", "PROJECT": "p"}
+  env = _with_fake_gcloud(tmp_path, f'echo "$@" > {called}\nexit 97')
 
   def run_tpu(*args, env=env):
     return subprocess.run(["bash", os.path.join(ROOT, "run_tpu.sh"), *args], env=env,
