@@ -13,10 +13,13 @@ import time
 
 from tests import ROOT
 
-# The demo trainer, shrunk to what the multi-process tests need.
+# The demo trainer, shrunk to what the multi-process tests need. One mini-batch a step: with
+# the demo's two, each host's half of the rows makes up the mini-batches differently from one
+# host's order, and a run on two processes could not match one on one. Every launch of two
+# processes of two devices with these flags runs the same programs: compiled once a session.
 SMALL_DEMO_FLAGS = (f"--config={ROOT}/configs/demo.py", "--config.batch_size=4",
                     "--config.rollout.max_new_tokens=8", "--config.checkpoint.every=1",
-                    "--config.policy.tiny_warmup_steps=2")
+                    "--config.policy.tiny_warmup_steps=2", "--config.optim.num_minibatches=1")
 
 
 def fake_cpu_devices(count: int) -> str:
@@ -58,7 +61,8 @@ def launch(workdir: str, processes: int, devices: int, *flags: str, heartbeat_s:
            extra_env: dict[str, str] | None = None) -> list[subprocess.Popen]:
   """Starts `python -m program --config.workdir=workdir flags` (the small demo trainer) as
   `processes` processes of `devices` CPU devices, with `extra_env` in their environment;
-  process i logs to `workdir.i.log`."""
+  process i logs to `workdir.i.log`. Each writes what it compiles into the session's cache
+  (`tests.group_member`), so a relaunch compiles nothing."""
   extra = {"RLVER_HEARTBEAT_TIMEOUT_S": str(heartbeat_s), **(extra_env or {})}
   if processes > 1:
     envs = distributed_envs(processes, devices, **extra)
@@ -68,7 +72,8 @@ def launch(workdir: str, processes: int, devices: int, *flags: str, heartbeat_s:
   for pid, env in enumerate(envs):
     with open(f"{workdir}.{pid}.log", "w") as log:  # the child keeps its own descriptor
       procs.append(subprocess.Popen(
-          [sys.executable, "-m", *program, f"--config.workdir={workdir}", *flags],
+          [sys.executable, "-m", "tests.group_member", *program, f"--config.workdir={workdir}",
+           *flags],
           cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT))
   return procs
 

@@ -48,16 +48,14 @@ def test_a_rows_tokens_follow_its_id_not_its_batch():
   assert other_ids.tokens != together.tokens
 
 
-# One mini-batch a step: with the demo's two, each host's half of the rows makes up the
-# mini-batches differently from one host's order (not yet made the same).
-ONE_UPDATE = ("--config.steps=2", "--config.optim.num_minibatches=1")
+TWO_STEPS = ("--config.steps=2",)
 
 
 @pytest.fixture(scope="module")
 def one_process_of_four(tmp_path_factory):
   """The demo's metrics on one process of four devices."""
   one = str(tmp_path_factory.mktemp("one") / "run")
-  run_all(one, 1, 4, *ONE_UPDATE)
+  run_all(one, 1, 4, *TWO_STEPS)
   return read_metrics(one)
 
 
@@ -88,7 +86,7 @@ def project_functions() -> set[str]:
 def test_two_processes_of_two_devices_match_one_of_four(tmp_path, one_process_of_four,
                                                         sampler_hosts):
   two, compiles = str(tmp_path / "two"), tmp_path / "compiles.json"
-  procs = launch(two, 2, 2, *ONE_UPDATE, f"--config.rollout.sampler_hosts={sampler_hosts}",
+  procs = launch(two, 2, 2, *TWO_STEPS, f"--config.rollout.sampler_hosts={sampler_hosts}",
                  program=("tests.rlver_jax.recording_main", *SMALL_DEMO_FLAGS),
                  extra_env={"RLVER_COMPILES": str(compiles)})
   codes = wait(procs)

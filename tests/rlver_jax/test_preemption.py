@@ -91,12 +91,18 @@ def test_sigterm_mid_step_saves_exits_75_and_the_rerun_resumes(tmp_path):
   assert after[:finished] == before  # kept, not redone
 
 
+# The small demo of the multi-process tests (their programs, compiled once a session), saved
+# only when stopped.
+TWO_PROCESS_FLAGS = ("--config.steps=6", "--config.checkpoint.every=0",
+                     "--config.checkpoint.every_minutes=0")
+
+
 @pytest.mark.heavy
 def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
   """Two trainer processes (JAX start-up, gloo, compiles: about 40 s each way) run twice, the
   second time to the end: the stop must fall between steps of a run that has more after it."""
   workdir = str(tmp_path / "run")
-  procs = launch(workdir, 2, 1, *ARGS[1:], program=("rlver_jax.main", ARGS[0]))
+  procs = launch(workdir, 2, 2, *TWO_PROCESS_FLAGS)
   try:
     wait_until(lambda: len(read_metrics(workdir)) >= 2, procs)
     procs[1].send_signal(signal.SIGTERM)  # one host's notice stops both
@@ -110,7 +116,7 @@ def test_sigterm_on_one_of_two_processes_stops_both_at_one_step(tmp_path):
   for log in logs:
     assert f"preempted: SIGTERM: stopped at step {finished}/6" in log and "Traceback" not in log
 
-  run_all(workdir, 2, 1, *ARGS[1:], program=("rlver_jax.main", ARGS[0]))
+  run_all(workdir, 2, 2, *TWO_PROCESS_FLAGS)
   after = read_metrics(workdir)
   assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
   assert after[:finished] == before
