@@ -154,15 +154,16 @@ def test_a_lost_host_stops_the_other_and_a_relaunch_resumes(tmp_path, how):
 
 @pytest.mark.heavy
 def test_the_evaluator_on_two_processes_writes_the_results_of_one(tmp_path, tiny_checkpoint):
-  """Two whole evaluations of the eight demo profiles, on one process and on two: the
-  comparison is the test, and each needs its own start-up and compiles."""
+  """Two whole evaluations of the eight demo profiles, on one process of one device and on two
+  processes of one device each: the comparison is the test, and each needs its own start-up
+  and compiles."""
   program = ("rlver_jax.eval", f"--config={ROOT}/configs/eval.py",
              f"--config.policy.checkpoint={tiny_checkpoint}", "--config.policy.dtype=float32",
              f"--config.eval.profiles={profiles.DEMO_PROFILES}", "--config.eval.batch_size=5",
              "--config.eval.max_new_tokens=6", "--config.eval.temperature=1.0",
              "--config.sim_user.backend=scripted", "--config.sim_user.language=en")
   one, two = str(tmp_path / "one"), str(tmp_path / "two")
-  run_all(one, 1, 2, program=program)
+  run_all(one, 1, 1, program=program)
   run_all(two, 2, 1, program=program)
   for name in ("results.jsonl", "summary.json"):
     with open(os.path.join(one, name)) as a, open(os.path.join(two, name)) as b:
