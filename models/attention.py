@@ -28,7 +28,11 @@ Implementations (`ATTENTION_IMPLEMENTATIONS`):
              this equals the position mask when positions increase with the
              slot among real tokens, as every caller here builds them.
   auto       einsum for short queries (decode, small chunks); otherwise splash on
-             TPU for uncached passes, cudnn on GPU, blockwise elsewhere.
+             TPU for uncached passes, cudnn on GPU, blockwise elsewhere. On CPU an
+             uncached pass of 2 x `CPU_BLOCK` queries or more is blockwise in
+             `CPU_BLOCK` blocks: einsum's [B, K, G, T, S] fp32 scores are memory
+             traffic there (written, masked, normalised and kept for the backward
+             pass), and the blocks skip the keys no query of theirs sees.
 A single-token decode step over a per-row cache on TPU (`decodes_paged`) runs
 the Pallas paged-attention kernel instead (`paged_decode_attention`): each
 row's keys are read up to its own length, where einsum reads every slot of
@@ -54,7 +58,10 @@ Array = jax.Array
 ATTENTION_IMPLEMENTATIONS = ("auto", "einsum", "blockwise", "cudnn", "splash")
 # einsum's scores stay small below this many query x key entries per row and head.
 EINSUM_MAX_SCORES = 1 << 18
-DEFAULT_BLOCK = 512
+DEFAULT_BLOCK = 512  # the blockwise kernel's blocks on accelerators: big matrix-unit tiles
+# ... and on CPU, where small blocks keep each block's scores in cache: the demo's update
+# (T = 512, 8 rows) ran 2.1x faster than with einsum, 1.5x than with 256, 1.2x than with 64.
+CPU_BLOCK = 128
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 
@@ -62,6 +69,11 @@ def visible(q_positions_bt: Array, kv_positions_bs: Array) -> Array:
   """Boolean [B, T, S]: which key slots each query sees."""
   kv_b1s = kv_positions_bs[:, None, :]
   return (kv_b1s >= 0) & (kv_b1s <= q_positions_bt[:, :, None])
+
+
+def default_block() -> int:
+  """The blockwise kernel's query and key block on the platform being traced for."""
+  return CPU_BLOCK if partitioning.target_platform() == "cpu" else DEFAULT_BLOCK
 
 
 def check_implementation(implementation: str) -> str:
@@ -75,9 +87,11 @@ def resolve(implementation: str, num_queries: int, num_keys: int, *, cached: boo
   """The concrete implementation `auto` (or an explicit choice) runs on this backend."""
   if check_implementation(implementation) != "auto":
     return implementation
+  backend = partitioning.target_platform()
+  if backend == "cpu" and not cached and num_queries >= 2 * CPU_BLOCK:
+    return "blockwise"
   if num_queries * num_keys <= EINSUM_MAX_SCORES:
     return "einsum"
-  backend = partitioning.target_platform()
   if backend == "tpu" and not cached and num_queries == num_keys:
     return "splash"
   if backend == "gpu":
@@ -92,9 +106,9 @@ def attend(q_btnh: Array, k_bskh: Array, v_bskh: Array, q_positions_bt: Array,
 
   `cached`: the keys include a cache (slots are not the queries' own), which
   rules out the static-mask splash kernel. `block_size` (default
-  `DEFAULT_BLOCK`) is the blockwise kernel's query and key block.
+  `default_block()`) is the blockwise kernel's query and key block.
   """
-  block_size = block_size or DEFAULT_BLOCK
+  block_size = block_size or default_block()
   impl = resolve(implementation, q_btnh.shape[1], k_bskh.shape[1], cached=cached)
   if impl == "einsum":
     return einsum_attention(q_btnh, k_bskh, v_bskh, q_positions_bt, kv_positions_bs)

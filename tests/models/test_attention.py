@@ -139,6 +139,12 @@ def test_auto_picks_einsum_for_decode_and_blockwise_for_long_cpu_passes():
   assert attention.resolve("auto", 1, 8192, cached=True) == "einsum"
   if jax.default_backend() == "cpu":
     assert attention.resolve("auto", 4096, 4096, cached=False) == "blockwise"
+    # A training pass of two CPU blocks or more runs in CPU blocks, though einsum would fit.
+    block = attention.CPU_BLOCK
+    assert attention.resolve("auto", 2 * block, 2 * block, cached=False) == "blockwise"
+    assert attention.default_block() == block
+    assert attention.resolve("auto", 2 * block - 1, 2 * block - 1, cached=False) == "einsum"
+    assert attention.resolve("auto", 2 * block, 4 * block, cached=True) == "einsum"  # prefill
   with pytest.raises(UserInputError, match="attention implementation 'flash'.*einsum"):
     attention.resolve("flash", 1, 1, cached=False)
 
