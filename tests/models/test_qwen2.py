@@ -49,7 +49,8 @@ def untied_checkpoint(tmp_path_factory):
     (True, 6, 2, "blockwise"),
 ])
 def test_logits_match_transformers_fp32(tmp_path, monkeypatch, tied, heads, kv_heads, attention):
-  monkeypatch.setattr(attention_lib, "CPU_BLOCK", 4)  # 11 tokens: three blocks, a ragged tail
+  # Blocks of 4 on any platform: 11 tokens make three blocks, a ragged tail.
+  monkeypatch.setattr(attention_lib, "default_block", lambda: 4)
   hf = make_hf_qwen2(tmp_path, tied=tied, heads=heads, kv_heads=kv_heads, hidden=16 * heads)
   model = qwen2.from_pretrained(tmp_path, dtype="float32", attention=attention)
   assert model.config.tie_word_embeddings == tied
@@ -63,7 +64,7 @@ def test_logits_match_transformers_fp32(tmp_path, monkeypatch, tied, heads, kv_h
 @pytest.mark.parametrize("side,attention", [("left", "einsum"), ("right", "einsum"),
                                             ("left", "blockwise"), ("right", "blockwise")])
 def test_padded_batch_matches_transformers(untied_checkpoint, monkeypatch, side, attention):
-  monkeypatch.setattr(attention_lib, "CPU_BLOCK", 4)
+  monkeypatch.setattr(attention_lib, "default_block", lambda: 4)
   path, hf = untied_checkpoint
   model = qwen2.from_pretrained(path, dtype="float32", attention=attention)
   lengths = [9, 4, 6]
@@ -160,7 +161,7 @@ def test_save_in_bfloat16_loads_in_transformers(tmp_path, untied_checkpoint):
 @pytest.mark.parametrize("attention", ["einsum", "blockwise"])
 def test_kv_cache_prefill_then_decode_matches_full_forward(untied_checkpoint, monkeypatch,
                                                           attention):
-  monkeypatch.setattr(attention_lib, "CPU_BLOCK", 4)
+  monkeypatch.setattr(attention_lib, "default_block", lambda: 4)
   path, _ = untied_checkpoint
   model = qwen2.from_pretrained(path, attention=attention)
   ids = random_ids((2, 10), seed=7)

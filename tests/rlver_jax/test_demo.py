@@ -181,8 +181,9 @@ def assert_learns_intentions(records, replies, *, rise, success, learned_at_leas
 def test_the_demo_learns_whom_to_offer_which_support(tmp_path, with_demo_init_policy):
   """Shortened: success and the emotion of several intentions rise, each served its own way.
 
-  About 2.2 minutes on 2 cores with nothing beside it (131 s): 40 RL steps are the fewest in which the
-  demo learns several intentions over its seed noise (its warm-up is the session's, shared)."""
+  About 2.2 minutes on 2 cores with nothing beside it (131 s): 40 RL steps are the fewest in
+  which the demo learns several intentions over its seed noise (its warm-up is the session's,
+  shared)."""
   records, replies = train_demo(tmp_path, TRAIN_STEPS, with_demo_init_policy)
   assert_learns_intentions(records, replies, rise=30, success=40, learned_at_least=4)
 
