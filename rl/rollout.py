@@ -112,8 +112,10 @@ host_metrics.declare({
     "time/rollout": host_metrics.MAX, "time/simulator": host_metrics.MAX,
     "rollout/sim_wait_s": host_metrics.MAX,
     "rollout/tokens_per_s": host_metrics.ratio("tokens/generated", "time/rollout")})
-# emotion/final/<intention> weighs by the host's kept dialogues of that intention.
+# emotion/final/<intention> and success_rate/<intention> weigh by the host's kept dialogues of
+# that intention (counted as emotion/final/<intention>).
 host_metrics.declare_family("emotion/final/", host_metrics.weighted("emotion/final/"))
+host_metrics.declare_family("success_rate/", host_metrics.weighted("emotion/final/"))
 
 
 def rollout_metrics(samples: Sequence[Sample], dialogues: Sequence[Dialogue],
@@ -137,6 +139,7 @@ def rollout_metrics(samples: Sequence[Sample], dialogues: Sequence[Dialogue],
     metrics["failure_rate"] = 100.0 * float(np.mean([dynamics.is_failure(rules, e)
                                                      for e in finals]))
   for intention in sorted({d.profile.intention for d in kept if d.profile.intention}):
-    metrics[f"emotion/final/{intention}"] = float(np.mean(
-        [d.emotion for d in kept if d.profile.intention == intention]))
+    finals = np.array([d.emotion for d in kept if d.profile.intention == intention])
+    metrics[f"emotion/final/{intention}"] = float(np.mean(finals))
+    metrics[f"success_rate/{intention}"] = 100.0 * float(np.mean(finals >= 100))
   return metrics

@@ -57,6 +57,17 @@ _SUGGESTION_NOTES = {
     "sim_user.api_key_env": "it names the environment variable that holds the key, not the key"}
 
 
+def is_config_flag(arg: str) -> bool:
+  """Whether `arg` is a --config=FILE or --config.FIELD(=VALUE) flag (the entry points' own)."""
+  return bool(_CONFIG_FLAG.match(arg) or _OVERRIDE_FLAG.match(arg))
+
+
+def override_field(arg: str) -> str | None:
+  """The dotted field a --config.FIELD=VALUE flag sets; None for any other argument."""
+  override = _OVERRIDE_FLAG.match(arg)
+  return override.group(2) if override else None
+
+
 def _config_flag_index(argv: list[str]) -> int:
   """Where the last --config is on the command line; -1 if it is not."""
   return max((i for i, arg in enumerate(argv) if _CONFIG_FLAG.match(arg)), default=-1)
@@ -100,10 +111,9 @@ def check_override_names(argv: list[str], default_file: str) -> None:
   names = [name for name, _ in dotted_fields(config)]
   config_index = _config_flag_index(argv)
   for i, arg in enumerate(argv):
-    override = _OVERRIDE_FLAG.match(arg)
-    if override is None:
+    field = override_field(arg)
+    if field is None:
       continue
-    field = override.group(2)
     if i < config_index:
       raise UserInputError(f"--config.{field} comes before --config; put --config first")
     if field in names:
@@ -134,20 +144,44 @@ def define_config_flag(default_file: str, help_text: str) -> flags.FlagHolder:
   return config_flag
 
 
-def parse_flags(argv: list[str]) -> list[str]:
-  """app.run's flags_parser: a flag error in one line, without absl's usage hint; a bad
-  --config.FIELD value named by its field and expected type, not by the value (a secret?)."""
+def _parsed(flag_values: flags.FlagValues, argv: list[str]) -> list[str]:
+  """`flag_values(argv)`; a flag error is a UserInputError in one line, a bad --config.FIELD
+  value named by its field and expected type, not by the value (a secret?)."""
   try:
-    return flags.FLAGS(argv)
+    return flag_values(argv)
   except flags.IllegalFlagValueError as e:
     bad_flag = re.match(r"flag --(config\.[^=]+)=", str(e))
     if bad_flag is None:
-      raise SystemExit(f"error: {e}") from None
+      raise UserInputError(str(e)) from None
     field = bad_flag.group(1).split(".", 1)[1]
-    expected = config_path.get_type(field, flags.FLAGS["config"].value).__name__
-    raise SystemExit(f"error: --config.{field} must be of type {expected}") from None
+    expected = config_path.get_type(field, flag_values["config"].value).__name__
+    raise UserInputError(f"--config.{field} must be of type {expected}") from None
   except flags.Error as e:
+    raise UserInputError(str(e)) from None
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """app.run's flags_parser: a flag error in one line, without absl's usage hint."""
+  try:
+    return _parsed(flags.FLAGS, argv)
+  except UserInputError as e:
     raise SystemExit(f"error: {e}") from None
+
+
+def load_config(config_flags_argv: list[str], default_file: str) -> ml_collections.ConfigDict:
+  """The config that `config_flags_argv` (--config=FILE[:variant] and --config.FIELD=VALUE
+  flags, nothing else) gives an entry point whose default is configs/`default_file`, checked
+  as its command line is: a UserInputError in the CLI's one line. For a program that starts
+  such entry points (rlver_jax.sweep) and checks their command lines first."""
+  argv = ["check", *config_flags_argv]
+  check_override_names(argv, default_file)
+  if _config_flag_index(argv) < 0:  # named, so that parsing it defines the override flags
+    argv.insert(1, f"--config={os.path.join(CONFIGS_DIR, default_file)}")
+  flag_values = flags.FlagValues()
+  config_flag = config_flags.DEFINE_config_file("config", None, flag_values=flag_values,
+                                                lock_config=True, sys_argv=argv)
+  _parsed(flag_values, argv)
+  return config_flag.value
 
 
 def run(default_file: str, help_text: str, fn: Callable) -> None:

@@ -17,6 +17,7 @@ PERCENT_KEYS = ("success_rate", "failure_rate")  # in percent (rl/rollout.py), d
 SIMULATOR_FAILURE_KEYS = ("dialogues/simulator_failed", "dialogues/dropped")
 SIMULATOR_RETRY_PREFIX = "sim/retries"  # sim/retries, sim/retries_succeeded, ...
 INTENTION_PREFIX = "emotion/final/"  # emotion/final/<hidden intention>, drawn in one panel
+INTENTION_SUCCESS_PREFIX = "success_rate/"  # success_rate/<hidden intention>, in percent
 
 
 class MetricsWriter:

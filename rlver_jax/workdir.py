@@ -239,3 +239,10 @@ def claim(workdir: str, field: str = "workdir") -> RunLock:
   if no_space:
     raise OSError(errno.ENOSPC, f"{os.path.join(path, LOCK_FILE)}: {os.strerror(errno.ENOSPC)}")
   return lock or RunLock(os.path.join(path, LOCK_FILE))
+
+
+def write_text_atomically(path: str, text: str) -> None:
+  """Replaces `path` whole with `text`: a kill leaves the old file or the new one."""
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(text)
+  os.replace(path + ".tmp", path)

@@ -39,9 +39,6 @@ def pytest_collection_modifyitems(config, items):
   for item in items:  # the fast subset: every test that is neither heavy nor slow
     if "heavy" not in item.keywords and "slow" not in item.keywords:
       item.add_marker(pytest.mark.fast)
-  # The heavy tests first, each file's in its order: pytest-xdist hands tests out in this order,
-  # so the suite ends on short ones and no worker waits long for the other's last heavy test.
-  items.sort(key=lambda item: "heavy" not in item.keywords)
   if config.getoption("--run-slow"):
     return
   skip_slow = pytest.mark.skip(reason="slow: pass --run-slow to run")
