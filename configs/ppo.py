@@ -28,6 +28,13 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
     raise ValueError(f"unknown config variant {arg!r}; use '' or 'think'")
   c = sections.config_dict(sections.TrainRun())
   c.rollout.thinking = arg == "think"
+  # The PPO ratio's old log-probs: the sampler's (verl's bypass mode), measured every step
+  # (rl.log_mismatch). `python -m bench.mismatch --layers=8` (bf16, a Qwen2.5-0.5B shape of 8
+  # layers, XLA:CPU, unmoved weights): the update's own forward lies nearer the sampler's
+  # log-probs (|d log p| 0.046 on average, 0.4% of ratios outside [0.8, 1.2]) than the
+  # learner's forward-only pass that `learner` takes (0.072, 2.0%; clip_frac 1.8% against 0):
+  # the compiler rounds a gradient program's forward and a forward-only program differently.
+  c.rl.old_logprobs = "sampler"
   return c
 
 

@@ -103,7 +103,8 @@ def grid(axes: list[Axis], seeds: int) -> list[Run]:
   seed, seed by seed."""
   fields = [axis.field for axis in axes]
   if len(set(fields)) != len(fields):
-    raise UserInputError(f"--sweep names {', '.join(sorted({f for f in fields if fields.count(f) > 1}))} twice")
+    twice = sorted({field for field in fields if fields.count(field) > 1})
+    raise UserInputError(f"--sweep names {', '.join(twice)} twice")
   arms = [tuple(zip(fields, values)) for values in itertools.product(*(a.values for a in axes))]
   return [Run(arm, seed) for seed in range(seeds) for arm in arms]
 

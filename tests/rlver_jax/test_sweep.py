@@ -19,7 +19,8 @@ from tests.runs import read_metrics
 
 
 def test_the_grid_is_every_arm_seed_by_seed_with_the_first_values_arm_first():
-  axes = [sweep.parse_axis("rl.kl_coef=0,0.05"), sweep.parse_axis("config.optim.actor_lr=1e-3, 2e-3")]
+  axes = [sweep.parse_axis("rl.kl_coef=0,0.05"),
+          sweep.parse_axis("config.optim.actor_lr=1e-3, 2e-3")]
   runs = sweep.grid(axes, seeds=2)
   assert [r.name for r in runs[:4]] == [
       "rl.kl_coef=0,optim.actor_lr=1e-3/seed=0", "rl.kl_coef=0,optim.actor_lr=2e-3/seed=0",
