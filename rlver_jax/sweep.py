@@ -6,7 +6,8 @@
 
 Each run is `python -m rlver_jax.main` with the sweep's `--config` and fixed `--config.x=y`
 flags, its arm's overrides, `--config.seed=S` and its own workdir, `W/<arm>/seed=S` (the arm
-named by its overrides: `W/rl.kl_coef=0.05,optim.actor_lr=1e-3/seed=1`). The first value of
+named by its overrides: `W/rl.kl_coef=0.05,optim.actor_lr=1e-3/seed=1`; a '/' in a value is
+written %2F). The first value of
 each `--sweep` makes the baseline arm, the one `rlver_jax.compare` measures the others against.
 
 On one machine the runs go one after another, seed by seed (every arm's seed 0, then every
@@ -76,8 +77,9 @@ class Run:
 
   @property
   def name(self) -> str:
-    """Its workdir under the sweep's: `<arm>/seed=<seed>`."""
-    return f"{self.arm}/seed={self.seed}"
+    """Its workdir under the sweep's: `<arm>/seed=<seed>`, a value's '/' (a path swept over)
+    written %2F (and '%' %25) so that the arm is one directory."""
+    return f"{self.arm.replace('%', '%25').replace('/', '%2F')}/seed={self.seed}"
 
 
 def parse_axis(spec: str) -> Axis:
@@ -93,8 +95,6 @@ def parse_axis(spec: str) -> Axis:
                          f"({'use --seeds' if field == 'seed' else 'use --workdir'})")
   if len(set(listed)) != len(listed):
     raise UserInputError(f"--sweep={spec}: a value is listed twice")
-  if any("/" in v for v in listed):
-    raise UserInputError(f"--sweep={spec}: a value holds '/', which cannot name a workdir")
   return Axis(field, listed)
 
 
@@ -254,8 +254,11 @@ def sweep(config_flags: list[str], axes: list[Axis], seeds: int, root: str,
         failed.append(run.name)
         print(f"{where}: failed (exit status {status}): "
               f"{_last_line(os.path.join(run_dir, RUN_LOG))}", flush=True)
-  written = compare.write_comparison(root, last=last)
-  print(f"comparison: {', '.join(written)}", flush=True)
+  if any(os.path.exists(os.path.join(root, run.name, "metrics.jsonl")) for run in runs):
+    written = compare.write_comparison(root, last=last)
+    print(f"comparison: {', '.join(written)}", flush=True)
+  else:
+    print("no comparison: no run finished a step", flush=True)
   if failed:
     print(f"error: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}; each one's "
           f"log is its {RUN_LOG}. Run the same command again to retry them "

@@ -35,11 +35,16 @@ def test_the_grid_is_every_arm_seed_by_seed_with_the_first_values_arm_first():
 @pytest.mark.parametrize("spec,says", [
     ("rl.kl_coef", "write FIELD=V1,V2"), ("rl.kl_coef=", "write FIELD=V1,V2"),
     ("rl.kl_coef=0,,1", "write FIELD=V1,V2"), ("seed=0,1", "use --seeds"),
-    ("workdir=a,b", "use --workdir"), ("rl.kl_coef=0,0", "listed twice"),
-    ("data.profiles=a/b,c", "cannot name a workdir")])
+    ("workdir=a,b", "use --workdir"), ("rl.kl_coef=0,0", "listed twice")])
 def test_a_bad_axis_is_one_line_naming_it(spec, says):
   with pytest.raises(UserInputError, match=f"--sweep={spec}: .*{says}"):
     sweep.parse_axis(spec)
+
+
+def test_a_swept_path_names_one_directory():
+  [run] = sweep.grid([sweep.parse_axis("data.train_profiles=/d/a%b.jsonl")], seeds=1)
+  assert run.arm == "data.train_profiles=/d/a%b.jsonl"
+  assert run.name == "data.train_profiles=%2Fd%2Fa%25b.jsonl/seed=0"
 
 
 def test_an_axis_named_twice_is_refused():
@@ -231,3 +236,26 @@ def test_a_sweep_stopped_midway_and_run_again_runs_each_step_once_and_compares(t
       ("challenging", "final", "1")]
   assert all(float(r["std"]) == 0 and r["ci95_low"] == "" for r in finals)  # one seed
   assert (tmp_path / "compare.png").stat().st_size > 10_000
+
+
+@pytest.mark.heavy
+def test_a_failed_run_is_reported_and_the_others_go_on(tmp_path):
+  """Two 3-step runs; the first one's profile file is missing (its command line passes the
+  checks; the run fails as it starts): about 25 s."""
+  from sim_user import profiles
+  missing = tmp_path / "missing.jsonl"
+  done = subprocess.run(
+      [sys.executable, "-m", "rlver_jax.sweep",
+       f"--sweep=data.train_profiles={missing},{profiles.DEMO_PROFILES}",
+       f"--workdir={tmp_path / 'sweep'}", *SMALL],
+      cwd=ROOT, env=processes.cpu_env(), capture_output=True, text=True, timeout=600)
+  assert done.returncode == 1, done.stderr[-3000:]
+  failed, ran = sweep.grid([sweep.Axis("data.train_profiles",
+                                       (str(missing), profiles.DEMO_PROFILES))], 1)
+  assert f"[1/2] {failed.name}: failed (exit status 1): error: {missing}: no such file" in (
+      done.stdout)
+  assert f"[2/2] {ran.name}: done in" in done.stdout
+  assert done.stderr.strip().splitlines()[-1].startswith(
+      f"error: 1 of 2 runs failed: {failed.name}; each one's log is its sweep_run.log.")
+  assert [r["step"] for r in read_metrics(tmp_path / "sweep" / ran.name)] == [1, 2, 3]
+  assert (tmp_path / "sweep" / "compare.md").exists()
