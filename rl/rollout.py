@@ -139,7 +139,7 @@ def rollout_metrics(samples: Sequence[Sample], dialogues: Sequence[Dialogue],
     metrics["failure_rate"] = 100.0 * float(np.mean([dynamics.is_failure(rules, e)
                                                      for e in finals]))
   for intention in sorted({d.profile.intention for d in kept if d.profile.intention}):
-    finals = np.array([d.emotion for d in kept if d.profile.intention == intention])
-    metrics[f"emotion/final/{intention}"] = float(np.mean(finals))
-    metrics[f"success_rate/{intention}"] = 100.0 * float(np.mean(finals >= 100))
+    intention_finals = np.array([d.emotion for d in kept if d.profile.intention == intention])
+    metrics[f"emotion/final/{intention}"] = float(np.mean(intention_finals))
+    metrics[f"success_rate/{intention}"] = 100.0 * float(np.mean(intention_finals >= 100))
   return metrics

@@ -194,11 +194,16 @@ def _markdown_table(arms: list[str], columns: list[tuple[str, str]],
   return lines
 
 
-def markdown(root: str, grid: dict, runs: list[SweepRun], last: int) -> str:
-  arms = arms_in_order(runs)
+def all_stats(runs: list[SweepRun], last: int):
+  """(the arms in grid order, the headline metrics, {intention table prefix: its intentions},
+  every metric key, {arm: {metric: Stat}}): what the table and the CSV show."""
   headline, intentions = metric_keys(runs)
   keys = headline + [p + i for p, names in intentions.items() for i in names]
-  stats = arm_stats(runs, keys, last)
+  return arms_in_order(runs), headline, intentions, keys, arm_stats(runs, keys, last)
+
+
+def markdown(root: str, grid: dict, runs: list[SweepRun], last: int) -> str:
+  arms, headline, intentions, _, stats = all_stats(runs, last)
   seeds = {arm: sum(1 for run in runs if run.arm == arm and run.records) for arm in arms}
   lines = [f"# Sweep {root}", "",
            f"{len(arms)} arm(s) x {grid['seeds']} seed(s); each run's value is its mean over "
@@ -223,10 +228,7 @@ def markdown(root: str, grid: dict, runs: list[SweepRun], last: int) -> str:
 
 def csv_text(grid: dict, runs: list[SweepRun], last: int) -> str:
   """One line per arm and metric: the arm's overrides, n, mean, std, interval, difference."""
-  arms = arms_in_order(runs)
-  headline, intentions = metric_keys(runs)
-  keys = headline + [p + i for p, names in intentions.items() for i in names]
-  stats = arm_stats(runs, keys, last)
+  arms, _, _, keys, stats = all_stats(runs, last)
   fields = [axis["field"] for axis in grid["axes"]]
   overrides = {run.arm: run.overrides for run in runs}
   out = io.StringIO()

@@ -270,16 +270,13 @@ def _read_json(path: str) -> dict:
 
 
 def _write_json(path: str, value: dict) -> None:
-  with open(path + ".tmp", "w", **WRITE_TEXT) as f:
-    json.dump(value, f, indent=2, ensure_ascii=False)
-  os.replace(path + ".tmp", path)
+  workdir_lib.write_text_atomically(path, json.dumps(value, indent=2, ensure_ascii=False))
 
 
 def _write_records(path: str, records: Sequence[dict]) -> None:
   """Replaces a JSONL file whole (a kill leaves the old one or the new one)."""
-  with open(path + ".tmp", "w", **WRITE_TEXT) as f:
-    f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
-  os.replace(path + ".tmp", path)
+  workdir_lib.write_text_atomically(
+      path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
 
 
 def evaluate_from_cli(config) -> dict:

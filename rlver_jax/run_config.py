@@ -16,6 +16,7 @@ import ml_collections
 from absl import logging
 
 from models.errors import UserInputError
+from rlver_jax import workdir as workdir_lib
 from sim_user import redact
 
 CONFIG_FILE = "config.json"
@@ -104,6 +105,4 @@ def check_and_save(config, workdir: str, resuming: bool) -> None:
       logging.warning("resuming with a different config (%s=True): %s", OVERRIDE_FLAG, listing)
   import jax
   if jax.process_index() == 0:
-    with open(path + ".tmp", "w") as f:
-      json.dump(tree, f, indent=2, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    workdir_lib.write_text_atomically(path, json.dumps(tree, indent=2, sort_keys=True))

@@ -36,7 +36,7 @@ import time
 from absl import app, flags
 
 from models.errors import UserInputError
-from rlver_jax import cli, compare, preemption, workdir as workdir_lib
+from rlver_jax import cli, compare, preemption, sections, workdir as workdir_lib
 
 TRAIN_MODULE = "rlver_jax.main"
 TRAIN_DEFAULT_FILE = "demo.py"  # rlver_jax.main's default --config
@@ -44,8 +44,8 @@ SWEEP_FILE = "sweep.json"  # W/sweep.json: the grid, read by rlver_jax.compare
 DONE_FILE = "sweep_done.json"  # in a run's workdir once it has ended well
 RUN_LOG = "sweep_run.log"  # a run's output, appended by each attempt
 BASE_ARM = "base"  # the one arm of a sweep over seeds alone
-# Fields the sweep sets itself in every run's command line.
-OWN_FIELDS = ("seed", "workdir")
+# Fields the sweep sets itself in every run's command line, and the sweep's flag for each.
+OWN_FIELDS = {"seed": "use --seeds", "workdir": "use --workdir"}
 
 _SWEEP = flags.DEFINE_multi_string(
     "sweep", [], "FIELD=V1,V2,...: one axis of the grid (a dotted config field and its values); "
@@ -91,8 +91,7 @@ def parse_axis(spec: str) -> Axis:
     raise UserInputError(f"--sweep={spec}: write FIELD=V1,V2,... (a dotted config field and "
                          "its values, e.g. --sweep=rl.kl_coef=0,0.05)")
   if field in OWN_FIELDS:
-    raise UserInputError(f"--sweep={spec}: the sweep sets {field} itself "
-                         f"({'use --seeds' if field == 'seed' else 'use --workdir'})")
+    raise UserInputError(f"--sweep={spec}: the sweep sets {field} itself ({OWN_FIELDS[field]})")
   if len(set(listed)) != len(listed):
     raise UserInputError(f"--sweep={spec}: a value is listed twice")
   return Axis(field, listed)
@@ -140,12 +139,10 @@ def check_runs(config_flags: list[str], runs: list[Run], root: str) -> None:
     field = cli.override_field(flag)
     if field in OWN_FIELDS:
       raise UserInputError(f"--config.{field}: the sweep sets it for each run "
-                           f"({'use --seeds' if field == 'seed' else 'use --workdir'})")
-  from rlver_jax import sections
+                           f"({OWN_FIELDS[field]})")
   for run in runs:
     try:
-      config = cli.load_config(run_flags(config_flags, run, root), TRAIN_DEFAULT_FILE)
-      sections.checked(sections.run_type(config), config, "training")
+      sections.train_run(cli.load_config(run_flags(config_flags, run, root), TRAIN_DEFAULT_FILE))
     except UserInputError as e:
       raise UserInputError(f"run {run.name}: {e}") from None
 
@@ -254,11 +251,10 @@ def sweep(config_flags: list[str], axes: list[Axis], seeds: int, root: str,
         failed.append(run.name)
         print(f"{where}: failed (exit status {status}): "
               f"{_last_line(os.path.join(run_dir, RUN_LOG))}", flush=True)
-  if any(os.path.exists(os.path.join(root, run.name, "metrics.jsonl")) for run in runs):
-    written = compare.write_comparison(root, last=last)
-    print(f"comparison: {', '.join(written)}", flush=True)
-  else:
-    print("no comparison: no run finished a step", flush=True)
+  try:
+    print(f"comparison: {', '.join(compare.write_comparison(root, last=last))}", flush=True)
+  except UserInputError as e:  # no run finished a step
+    print(f"no comparison: {e}", flush=True)
   if failed:
     print(f"error: {len(failed)} of {len(runs)} runs failed: {', '.join(failed)}; each one's "
           f"log is its {RUN_LOG}. Run the same command again to retry them "

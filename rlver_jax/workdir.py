@@ -242,7 +242,8 @@ def claim(workdir: str, field: str = "workdir") -> RunLock:
 
 
 def write_text_atomically(path: str, text: str) -> None:
-  """Replaces `path` whole with `text`: a kill leaves the old file or the new one."""
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
+  """Replaces `path` whole with `text` in UTF-8 (a lone surrogate escaped, not an error): a kill
+  leaves the old file or the new one."""
+  with open(path + ".tmp", "w", encoding="utf-8", errors="backslashreplace") as f:
     f.write(text)
   os.replace(path + ".tmp", path)
