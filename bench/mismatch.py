@@ -11,14 +11,15 @@ learning rate 0 (every update at the weights that sampled, as step 1 of a warm-u
 recipes' PPO clip of 0.2, once for each `rl.old_logprobs`:
 - `sampler` (verl's bypass mode): the ratio against the sampler's log-probs;
 - `learner` (decoupled PPO, as the authors' release recomputes them): against the learner's
-  own pass, which the step runs anyway while it measures the mismatch (`rl.log_mismatch`).
+  own pass, which the step runs anyway while it measures the mismatch (`rl.log_mismatch`);
+  the first update, at unmoved weights, against its own log-probs.
 Written for each: the step's mismatch figures (|d log p| mean, p99, max; the probabilities'
-Pearson correlation; the share of tokens outside the clip) and its clip_frac, the share of
-tokens the PPO clip cut before the weights moved. Then, on the first update micro-batch, the
-gaps between the three log-probs the ratio could use: the sampler's, the learner's
-forward-only pass, and the forward inside the update's gradient program, which is the ratio's
-numerator (in bf16 XLA fuses and rounds the two passes differently). The recipes' choice of
-old log-probs rests on these figures (configs/ppo.py).
+Pearson correlation; the share of tokens outside the clip), the share of tokens the PPO clip
+cut in its first update (first_update_clip_frac) and in both (clip_frac), before the weights
+moved. Then, on the first update micro-batch, the gaps between the three log-probs the ratio
+could use: the sampler's, the learner's forward-only pass, and the forward inside the update's
+gradient program, which is the ratio's numerator (in bf16 XLA fuses and rounds the two passes
+differently). The recipes' choice of old log-probs rests on these figures (configs/ppo.py).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ QWEN25_05B = qwen2.Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_
                                tie_word_embeddings=True)
 FIGURES = ("mismatch/abs_logp_diff_mean", "mismatch/abs_logp_diff_p99",
            "mismatch/abs_logp_diff_max", "mismatch/probs_pearson", "mismatch/outside_clip",
-           "mismatch/ratio_mean", "clip_frac", "ratio_mean", "approx_kl")
+           "mismatch/ratio_mean", "mismatch/first_update_clip_frac", "clip_frac", "ratio_mean",
+           "approx_kl")
 
 
 def sampled(model, sampling_dtype, count: int, reply_tokens: int) -> list[Sample]:

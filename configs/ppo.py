@@ -32,8 +32,9 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   # (rl.log_mismatch). `python -m bench.mismatch --layers=8` (bf16, a Qwen2.5-0.5B shape of 8
   # layers, XLA:CPU, unmoved weights): the update's own forward lies nearer the sampler's
   # log-probs (|d log p| 0.046 on average, 0.4% of ratios outside [0.8, 1.2]) than the
-  # learner's forward-only pass that `learner` takes (0.072, 2.0%; clip_frac 1.8% against 0):
-  # the compiler rounds a gradient program's forward and a forward-only program differently.
+  # learner's forward-only pass that `learner` takes (0.072, 2.0%; clip_frac 0 against 1.4%:
+  # 0 in its first update, which takes its own log-probs, 2.7% in its second): the compiler
+  # rounds a gradient program's forward and a forward-only program differently.
   c.rl.old_logprobs = "sampler"
   return c
 

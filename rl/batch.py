@@ -65,6 +65,9 @@ class TrainBatch:
   advantages_bt: np.ndarray | None = None  # [B, T-1] float32
   returns_bt: np.ndarray | None = None  # [B, T-1] float32 (GAE; zeros for GRPO)
   is_weights_bt: np.ndarray | None = None  # [B, T-1] float32, rl.rollout_correction's weights
+  # [B] bool (rl.old_logprobs=learner): rows whose ratio takes the update's own log-probs,
+  # detached, as the old ones: the first mini-batch's, whose weights have not moved yet.
+  old_is_own_b: np.ndarray | None = None
 
   @property
   def rows(self) -> int:

@@ -59,7 +59,9 @@ class RLConfig(config_section.Section):
     old_logprobs: the PPO ratio's old log-probs: sampler (the sampler's own, drawn with the
       tokens; verl's bypass mode) | learner (one forward pass of the policy at the step's
       starting weights, as the authors' release: the trust region then spends nothing on the
-      sampler's numerics).
+      sampler's numerics; the step's first update, whose weights have not moved, takes its
+      own log-probs, detached, as verl's on-policy shortcut: in bf16 the compiler rounds the
+      gradient program's forward differently from the forward-only pass).
     log_mismatch: measure the sampler-learner mismatch every step (mismatch/*, rl/mismatch.py)
       with that forward pass; learner takes it anyway.
     rollout_correction: none | token_tis: with old_logprobs=learner, each token's policy loss

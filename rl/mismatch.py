@@ -21,6 +21,9 @@ from models import host_metrics
 from rl.losses import LOG_RATIO_LIMIT
 
 PREFIX = "mismatch/"
+# The share of tokens the PPO clip cut in a step's first update, at its starting weights: with
+# rl.old_logprobs=sampler the mismatch's cost to the trust region, with learner exactly 0.
+FIRST_UPDATE_CLIP_FRAC = PREFIX + "first_update_clip_frac"
 # Every host computes them from the same global batch: any host's are the step's.
 host_metrics.declare_family(PREFIX, host_metrics.MEAN)
 

@@ -62,7 +62,8 @@ class StepShape:
   mini-batch; `minibatches` mini-batch updates per step (ppo_epochs x
   num_minibatches); `critic` (PPO) and `reference` (a KL penalty) say which
   models the step has; `is_weights`, whether the policy's updates read the rollout
-  correction's weights.
+  correction's weights; `old_is_own`, whether they read which rows take their own log-probs
+  as the old ones (`rl.old_logprobs=learner`).
   """
   micro_batch: int
   seq_len: int
@@ -71,6 +72,7 @@ class StepShape:
   critic: bool = True
   reference: bool = False
   is_weights: bool = False
+  old_is_own: bool = False
 
 
 def abstract_batch(mesh: Mesh, shape: StepShape, *, targets: bool) -> TrainBatch:
@@ -91,6 +93,8 @@ def abstract_batch(mesh: Mesh, shape: StepShape, *, targets: bool) -> TrainBatch
     batch = batch.replace(ref_logprobs_bt=target())
   if shape.is_weights:
     batch = batch.replace(is_weights_bt=target())
+  if shape.old_is_own:
+    batch = batch.replace(old_is_own_b=programs.rows(mesh, (shape.micro_batch,), jnp.bool_))
   return batch
 
 
@@ -218,6 +222,8 @@ class AlgorithmStep:
            for key in updates.UPDATE_METRICS if key in finite[0]}
     out.update({"updates": len(update_metrics), "lr": policy_lr, "skipped_updates": skipped,
                 "time/train": train_seconds, "samples": len(samples), **mismatch_metrics})
+    if mismatch_metrics:  # the trust region the mismatch costs before any update moved
+      out[mismatch.FIRST_UPDATE_CLIP_FRAC] = float(update_metrics[0]["clip_frac"])
     return out
 
   def _scored_batch(self, samples: Sequence[batch_lib.Sample]) -> tuple[TrainBatch, dict]:
@@ -265,8 +271,11 @@ class AlgorithmStep:
     metrics, fetched from the device once at the end."""
     policy, critic, turns = self.policy, self.critic, self.turns
     update_metrics = []
-    for _ in range(self.config.ppo_epochs):
-      for minibatch in minibatches:
+    for epoch in range(self.config.ppo_epochs):
+      for index, minibatch in enumerate(minibatches):
+        if self.loss_cfg.old_logprobs == "learner":  # only the first update's weights are unmoved
+          minibatch = minibatch.replace(
+              old_is_own_b=np.full(minibatch.rows, epoch == index == 0, np.bool_))
         micro_batches = batch_lib.split(minibatch, self.config.grad_accum)
         with turns.turn():
           m = policy.update(micro_batches, learning_rate=policy_lr)

@@ -36,8 +36,15 @@ def policy_loss(graphdef, cfg: RLConfig, params, batch: TrainBatch,
   mask = batch.loss_mask_bt
   logprobs, entropy_bt = forward.token_logprobs_and_entropy(graphdef, params, batch,
                                                             temperature)
+  old_logprobs = batch.old_logprobs_bt
+  if batch.old_is_own_b is not None:
+    # At the step's starting weights a gradient program's forward is rounded differently from
+    # the forward-only pass that scored the old log-probs (bf16, bench/mismatch.py): its own
+    # log-probs make the ratio exactly 1 there, as verl's on-policy `old = log_prob.detach()`.
+    old_logprobs = jnp.where(batch.old_is_own_b[:, None], jax.lax.stop_gradient(logprobs),
+                             old_logprobs)
   pg_loss, metrics = losses.policy_loss(
-      logprobs, batch.old_logprobs_bt, batch.advantages_bt, mask, clip_ratio=cfg.clip_ratio,
+      logprobs, old_logprobs, batch.advantages_bt, mask, clip_ratio=cfg.clip_ratio,
       clip_ratio_high=cfg.clip_ratio_high, dual_clip=cfg.dual_clip, agg=cfg.loss_agg, norm=norm,
       is_weights=batch.is_weights_bt)
   entropy = losses.aggregate(entropy_bt, mask, cfg.loss_agg, norm)

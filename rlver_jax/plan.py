@@ -285,7 +285,8 @@ class _Planner:
     self.learners = builder.learners(self.run, self._abstract_model, self.mesh, abstract=True)
     self.shape = step.StepShape(self._micro_batch(), spec.seq_len, spec.grad_accum,
                                 spec.minibatches, spec.critic, spec.reference,
-                                is_weights=self.run.rl.weights_policy_loss)
+                                is_weights=self.run.rl.weights_policy_loss,
+                                old_is_own=self.run.rl.old_logprobs == "learner")
 
   def _first_hosts(self, hosts: int) -> list:
     first = sorted({d.process_index for d in self.devices})[:hosts]

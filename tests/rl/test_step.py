@@ -3,14 +3,17 @@
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from models import partitioning, qwen2
 from models.sampler import Sampler
 from models.sampling import SamplingParams
-from rl import learner, mismatch, step, updates
+from rl import forward, learner, losses, mismatch, step, updates
 from rl.agent import Sample
+from rl.batch import TrainBatch
 from rl.losses import RLConfig
 
 MODEL = qwen2.Qwen2Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_layers=1,
@@ -64,7 +67,8 @@ def _sampled(model, sampling_dtype, count: int = 8) -> list[Sample]:
           for i, (prompt, tokens, logprobs) in enumerate(zip(prompts, out.tokens, out.logprobs))]
 
 
-def _step_at_unmoved_weights(dtype, sampling_dtype, old_logprobs, correction="none"):
+def _step_at_unmoved_weights(dtype, sampling_dtype, old_logprobs, correction="none",
+                             minibatches=2):
   """The first step's metrics (learning rate 0: every update at the weights that sampled)."""
   mesh = partitioning.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   model = qwen2.init_random(PEAKED, seed=1, dtype=dtype, param_dtype="float32")
@@ -76,7 +80,7 @@ def _step_at_unmoved_weights(dtype, sampling_dtype, old_logprobs, correction="no
   samples = _sampled(model, sampling_dtype)
   policy = learner.Learner(model, learner.make_optimizer(optim), updates.policy_loss, cfg, mesh)
   algorithm = step.AlgorithmStep(policy, None, None, cfg, step.StepConfig(
-      num_minibatches=2, policy_optim=optim))
+      num_minibatches=minibatches, policy_optim=optim))
   return algorithm.run(1, samples)
 
 
@@ -89,9 +93,14 @@ def test_the_mismatch_is_measured_every_step_nil_in_fp32_and_gone_from_the_ratio
   assert bf16["mismatch/abs_logp_diff_mean"] > 1e-3, bf16  # the bf16 decode against the pass
   assert bf16["mismatch/abs_logp_diff_p99"] <= bf16["mismatch/abs_logp_diff_max"]
   assert bf16["mismatch/outside_clip"] > 0 and bf16["clip_frac"] > 0  # clipped before moving
+  assert bf16["mismatch/first_update_clip_frac"] > 0
   # The ratio against the learner's own log-probs: nothing clipped at unmoved weights.
   learner_old = _step_at_unmoved_weights("bfloat16", "bfloat16", "learner")
   assert learner_old["clip_frac"] == 0 and learner_old["mismatch/outside_clip"] > 0
+  assert learner_old["mismatch/first_update_clip_frac"] == 0
+  # One update a step: it takes its own log-probs, so its ratio is 1 to the bit.
+  own = _step_at_unmoved_weights("bfloat16", "bfloat16", "learner", minibatches=1)
+  assert own["ratio_mean"] == 1.0 and own["approx_kl"] == 0.0, own
   assert "mismatch/is_weight_mean" not in learner_old
   # With the truncated IS correction: weights near 1 (nothing past 2 at this gap).
   corrected = _step_at_unmoved_weights("bfloat16", "bfloat16", "learner", "token_tis")
@@ -124,3 +133,34 @@ def test_the_mismatch_figures_on_numbers_worked_by_hand():
   assert mismatch.measure(sampler_p, learner_p, np.zeros((1, 4)), 0.2, 0.2) == {}
   assert mismatch.pearson(np.ones(3), np.ones(3)) == 1.0
   assert mismatch.pearson(np.ones(3), np.arange(3.0)) == 0.0
+
+
+def test_the_first_updates_rows_take_their_own_logprobs_as_the_old_ones():
+  """`old_is_own_b` rows: ratio 1 whatever old log-probs they carry, and the gradient of the
+  plain policy gradient -A * grad log p; the other rows keep the batch's old log-probs."""
+  model = qwen2.init_random(MODEL, seed=3)
+  graphdef, params = nnx.split(model)
+  rng = np.random.RandomState(1)
+  tokens = rng.randint(0, MODEL.vocab_size, (2, 8)).astype(np.int32)
+  mask = np.ones((2, 7), np.float32)
+  batch = TrainBatch(tokens_bt=tokens, attention_mask_bt=np.ones((2, 8), bool),
+                     loss_mask_bt=mask, old_logprobs_bt=np.full((2, 7), -9.0, np.float32),
+                     advantages_bt=rng.randn(2, 7).astype(np.float32),
+                     old_is_own_b=np.array([True, False]))
+  cfg = RLConfig(algorithm="grpo", old_logprobs="learner", entropy_coef=0.0)
+  loss_of = lambda b: lambda p: updates.policy_loss(graphdef, cfg, p, b, None)
+  (_, metrics), grads = jax.value_and_grad(loss_of(batch), has_aux=True)(params)
+  logprobs = np.asarray(forward.sequence_logprobs(graphdef, params, batch, 1.0))
+  ratios = np.concatenate([np.ones(7), np.exp(np.clip(logprobs[1] + 9.0, -20, 20))])
+  assert float(metrics["ratio_mean"]) == pytest.approx(ratios.mean(), rel=1e-5)
+
+  def reference(p):  # row 0: -A log p / n (ratio 1, no clip); row 1: the batch's old ones
+    lp = forward.sequence_logprobs(graphdef, p, batch, 1.0)
+    row0 = -jnp.sum(batch.advantages_bt[0] * lp[0])
+    row1, _ = losses.policy_loss(lp[1:], batch.old_logprobs_bt[1:], batch.advantages_bt[1:],
+                                 mask[1:], clip_ratio=cfg.clip_ratio)
+    return row0 / 14 + row1 * 7 / 14
+
+  expected = jax.grad(reference)(params)
+  for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(expected)):
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6)

@@ -228,7 +228,8 @@ def test_accelerator_types_name_their_slices(v5p_16):
 @pytest.mark.heavy
 def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path, v5p_16):
   # configs/ppo.py as shipped, with a tiny checkpoint's config.json for the model, a shorter
-  # dialogue and a KL penalty: the accumulation programs of its grad_accum=4 are there.
+  # dialogue, a KL penalty and decoupled PPO: the accumulation programs of its grad_accum=4
+  # are there.
   import json
   from configs import ppo
   checkpoint = tmp_path / "policy"
@@ -240,13 +241,15 @@ def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path, v5p_16):
   config.policy.checkpoint = str(checkpoint)
   config.rollout.max_dialogue_tokens = 1000
   config.rl.kl_coef = 0.01  # an override: the reference pass joins the plan
+  # and decoupled PPO: the updates read the rollout correction's weights and their own rows.
+  config.rl.old_logprobs, config.rl.rollout_correction = "learner", "token_tis"
   spec = plan.spec_from_config(config)
   assert (spec.model.num_layers, spec.grad_accum, spec.seq_len) == (1, 4, 1024)
   assert spec.critic and spec.reference and spec.sampling_layout == "train"
   result = plan.plan(dataclasses.replace(spec, cache_len=512, prefill_chunk=64), v5p_16,
                      V5P_16.generation)
   assert {"policy/gradients", "policy/accumulate_gradients", "policy/apply_gradients",
-          "reference/logprobs"} <= set(result["programs"])
+          "reference/logprobs", "policy/logprobs"} <= set(result["programs"])
   assert result["programs"]["policy/gradients"]["calls"] == 4
   assert result["micro_batch"] == 8  # the trainer's: 32 dialogues, 4 micro-batches
 

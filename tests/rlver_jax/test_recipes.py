@@ -213,15 +213,19 @@ def test_recipe_runs_as_shipped(recipe, tmp_path, tiny_checkpoint, profile_file,
 
 
 @pytest.mark.heavy
-def test_ppo_runs_decoupled_with_its_rollout_correction(tmp_path, tiny_checkpoint, profile_file,
-                                                        serve):
-  """The recipe with the other choice of old log-probs (the learner's pass) and token_tis."""
-  config = ppo.get_config()
+@pytest.mark.parametrize("recipe", [("ppo", ""), ("grpo", "think")],
+                         ids=lambda r: f"{r[0]}.py:{r[1]}")
+def test_a_recipe_runs_decoupled_with_its_rollout_correction(recipe, tmp_path, tiny_checkpoint,
+                                                             profile_file, serve):
+  """The recipes with the other choice of old log-probs (the learner's pass) and token_tis:
+  PPO's mini-batches, and thinking-mode GRPO's updates of a step's dialogue count each."""
+  config = load_config(*recipe)
   config.rl.old_logprobs, config.rl.rollout_correction = "learner", "token_tis"
   run_training(config, tmp_path, tiny_checkpoint, profile_file, serve)
   for r in metrics_lib.read_appended_jsonl(os.path.join(config.workdir, "metrics.jsonl")):
     assert 0 < r["mismatch/is_weight_mean"] <= config.rl.rollout_is_threshold, r
     assert 0 <= r["mismatch/is_truncated"] <= 1
+    assert r["mismatch/first_update_clip_frac"] == 0, r  # its own log-probs: ratio 1
 
 
 def test_shipped_numbers():
