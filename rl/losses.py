@@ -96,6 +96,12 @@ class RLConfig(config_section.Section):
     return self.old_logprobs == "learner" or self.log_mismatch
 
   @property
+  def first_update_takes_own_logprobs(self) -> bool:
+    """Whether a step's first update, at unmoved weights, takes its own log-probs (detached)
+    as the old ones (`TrainBatch.old_is_own_b`): with the learner's old log-probs."""
+    return self.old_logprobs == "learner"
+
+  @property
   def weights_policy_loss(self) -> bool:
     """Whether the rollout correction weights each token's policy loss (`is_weights_bt`)."""
     return self.rollout_correction != "none"

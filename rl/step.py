@@ -273,7 +273,7 @@ class AlgorithmStep:
     update_metrics = []
     for epoch in range(self.config.ppo_epochs):
       for index, minibatch in enumerate(minibatches):
-        if self.loss_cfg.old_logprobs == "learner":  # only the first update's weights are unmoved
+        if self.loss_cfg.first_update_takes_own_logprobs:  # its weights alone are unmoved
           minibatch = minibatch.replace(
               old_is_own_b=np.full(minibatch.rows, epoch == index == 0, np.bool_))
         micro_batches = batch_lib.split(minibatch, self.config.grad_accum)

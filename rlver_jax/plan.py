@@ -286,7 +286,7 @@ class _Planner:
     self.shape = step.StepShape(self._micro_batch(), spec.seq_len, spec.grad_accum,
                                 spec.minibatches, spec.critic, spec.reference,
                                 is_weights=self.run.rl.weights_policy_loss,
-                                old_is_own=self.run.rl.old_logprobs == "learner")
+                                old_is_own=self.run.rl.first_update_takes_own_logprobs)
 
   def _first_hosts(self, hosts: int) -> list:
     first = sorted({d.process_index for d in self.devices})[:hosts]
