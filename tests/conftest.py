@@ -1,4 +1,5 @@
-"""Test set-up: 8 fake CPU devices for sharding tests, one compilation cache for the whole
+"""Test set-up: 8 fake CPU devices for sharding tests, XLA:CPU's fast-compile flags
+(`tests.processes.FAST_COMPILE_FLAGS`), one compilation cache for the whole
 test session (this process and every process it starts), the `fast` subset (every test not
 marked `heavy` or `slow`), and the set-ups many tests share, each built once per session."""
 
@@ -12,11 +13,11 @@ import pytest
 # The shared helpers' asserts report their values, as the tests' own do.
 pytest.register_assert_rewrite("tests.cli_run", "tests.processes", "tests.runs")
 
-from tests.processes import fake_cpu_devices  # noqa: E402
+from tests.processes import cpu_xla_flags  # noqa: E402
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + fake_cpu_devices(8)).strip()
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + cpu_xla_flags(8)).strip()
 
 
 def pytest_addoption(parser):
