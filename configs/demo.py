@@ -38,8 +38,10 @@ def get_config(arg: str = ""):
   c.policy.dtype = "float32"
   c.policy.remat = False
   c.rollout.sampling_dtype = ""  # float32 throughout: the sampler reads the training weights
-  # so the sampler-learner mismatch is nil (|d log p| < 1e-5, tests/rl/test_step.py): no pass
-  # of the policy to measure it, a step's forward passes stay the critic's and the reference's.
+  # so the sampler-learner mismatch is nil (|d log p| < 1e-5, tests/rl/test_step.py): the PPO
+  # ratio takes the sampler's log-probs, with no pass of the policy to measure or recompute
+  # them; a step's forward passes stay the critic's and the reference's.
+  c.rl.old_logprobs = "sampler"
   c.rl.log_mismatch = False
 
   c.data.train_profiles = profiles.DEMO_PROFILES

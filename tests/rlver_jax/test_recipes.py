@@ -212,13 +212,16 @@ def test_recipe_runs_as_shipped(recipe, tmp_path, tiny_checkpoint, profile_file,
   RUNNERS[recipe](config, tmp_path, tiny_checkpoint, profile_file, serve)
 
 
+TRAINING_RECIPES = sorted(r for r, runner in RUNNERS.items() if runner is run_training)
+
+
 @pytest.mark.heavy
-@pytest.mark.parametrize("recipe", [("ppo", ""), ("grpo", "think")],
-                         ids=lambda r: f"{r[0]}.py:{r[1]}")
+@pytest.mark.parametrize("recipe", TRAINING_RECIPES, ids=lambda r: f"{r[0]}.py:{r[1]}")
 def test_a_recipe_runs_decoupled_with_its_rollout_correction(recipe, tmp_path, tiny_checkpoint,
                                                              profile_file, serve):
-  """The recipes with the other choice of old log-probs (the learner's pass) and token_tis:
-  PPO's mini-batches, and thinking-mode GRPO's updates of a step's dialogue count each."""
+  """Every training recipe with the other choice of old log-probs (the learner's pass) and
+  token_tis: PPO's mini-batches, GRPO's groups, thinking mode's updates of a step's dialogue
+  count each, and the demo's fp32 policy, whose weights the sampler reads."""
   config = load_config(*recipe)
   config.rl.old_logprobs, config.rl.rollout_correction = "learner", "token_tis"
   run_training(config, tmp_path, tiny_checkpoint, profile_file, serve)
