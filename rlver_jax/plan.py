@@ -486,13 +486,22 @@ def _phase_peaks(resident_gib: float, copy_gib: float, compiled: dict, phases: d
                         extra(UPDATE)}
 
 
+# A plan fits when each phase's peak is at most this share of a chip's memory. The compiler's
+# memory analysis counts a program's own buffers, not the runtime's: its allocator's
+# fragmentation, transfer buffers, the next program's arguments arriving while one runs. So a
+# plan at 99% of HBM may not run; vLLM leaves the same tenth (gpu_memory_utilization=0.9).
+USABLE_MEMORY_FRACTION = 0.9
+
+
 def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None,
-         group_devices=None, memory_gib: float | None = None) -> dict:
+         group_devices=None, memory_gib: float | None = None,
+         memory_fraction: float = USABLE_MEMORY_FRACTION) -> dict:
   """Per-device memory, compile seconds, kernels and estimated costs of every program of one
   step on `devices` (default: all at hand), with the sampler on groups of 1, 2 and 4 hosts
   side by side (`group_devices(k)`: the devices of a k-host slice, `_Planner`); `chip` (a TPU
   or GPU generation) adds times and the step estimate. The verdict is against `memory_gib`
-  (default: the chip's HBM). The headline (`programs`, the peaks) is the run's group size,
+  (default: the chip's HBM): a peak fits when it is at most `memory_fraction` of it. The
+  headline (`programs`, the peaks) is the run's group size,
   or with `rollout.sampler_hosts='auto'` the fewest hosts that fit (`recommended_hosts`)."""
   planner = _Planner(spec, devices, group_devices)
   mesh = planner.mesh
@@ -531,7 +540,8 @@ def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None,
       compiled[name], phases[name] = compile_one(name, name, program, True), ROLLOUT
     resident.append(simulator_weights)
   result["resident_gib"] = programs.device_gib(resident)
-  fits = lambda peak: memory_gib is None or peak <= memory_gib
+  budget_gib = None if memory_gib is None else memory_gib * memory_fraction
+  fits = lambda peak: budget_gib is None or peak <= budget_gib
   result["sampler_hosts"] = {}
   hosts_per_group = planner.configured_hosts or 1
   if spec.sampler:
@@ -589,8 +599,8 @@ def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None,
   # holds a run to it).
   result["compiled_functions"] = sorted({f for p in compiled.values() for f in p["functions"]})
   if memory_gib is not None:
-    result["memory_gib"] = memory_gib
-    result["fits"] = result["peak_gib"] <= memory_gib
+    result.update(memory_gib=memory_gib, memory_fraction=memory_fraction,
+                  budget_gib=budget_gib, fits=fits(result["peak_gib"]))
   if chip is not None:
     result["hbm_gib"] = chip.hbm_gib
     result["assumptions"] = _assumptions(chip)
@@ -609,17 +619,18 @@ def _sampler_results(sampler: SamplerPlan, hosts_per_group: int, layout: str,
 def fewest_sampler_hosts(config, policy_path: str, devices, memory_gib: float) -> int:
   """The fewest hosts per sampler group (1, 2, 4, ...) whose plan of the training run
   `config` with the policy of checkpoint directory `policy_path` fits `memory_gib` per chip
-  on `devices`: what `rollout.sampler_hosts='auto'` runs. UserInputError where none fits."""
+  (`USABLE_MEMORY_FRACTION` of it) on `devices`: what `rollout.sampler_hosts='auto'` runs. UserInputError where none fits."""
   spec = spec_from_config(config, Overrides(hf_config=os.path.join(policy_path, "config.json")))
   auto = dataclasses.replace(spec.run, rollout=dataclasses.replace(spec.run.rollout,
                                                                    sampler_hosts=AUTO))
   result = plan(dataclasses.replace(spec, run=auto), devices, memory_gib=memory_gib)
   if result["recommended_hosts"] is None:
-    misses = {k: round(v["peak_gib"] - memory_gib, 2)
+    misses = {k: round(v["peak_gib"] - result["budget_gib"], 2)
               for k, v in result["sampler_hosts"].items()}
     raise UserInputError(f"rollout.sampler_hosts='auto': no sampler group size fits "
-                         f"{memory_gib:g} GiB per chip (GiB over, by hosts per group: "
-                         f"{misses}); see python -m rlver_jax.plan")
+                         f"{result['budget_gib']:.4g} GiB per chip ({USABLE_MEMORY_FRACTION:.0%} "
+                         f"of {memory_gib:.4g}; GiB over, by hosts per group: {misses}); see "
+                         "python -m rlver_jax.plan")
   return result["recommended_hosts"]
 
 
@@ -736,6 +747,8 @@ def _define_flags() -> None:
                     "row program a step can meet, or the largest of each kind")
   flags.DEFINE_float("device_memory_gib", None, "memory per device, for a verdict (default "
                      "with --topology: the generation's HBM)")
+  flags.DEFINE_float("memory_fraction", USABLE_MEMORY_FRACTION, "the share of that memory a "
+                     "plan may fill (the rest is the runtime's)")
   flags.DEFINE_integer("fake_devices", 0, "plan for N fake CPU devices (read before JAX starts)")
   flags.DEFINE_string("out", None, "also write the plan as JSON here")
 
@@ -903,7 +916,10 @@ def _plan_from_flags():
     accelerators = topology.parse_accelerator_type(FLAGS.topology)
     devices, chip = topology.slice_devices(accelerators), accelerators.generation
     group_devices = topology.group_devices(accelerators)
-  result = plan(spec, devices, chip, group_devices, memory_gib=FLAGS.device_memory_gib)
+  if not 0 < FLAGS.memory_fraction <= 1:
+    raise UserInputError(f"--memory_fraction={FLAGS.memory_fraction}: must be in (0, 1]")
+  result = plan(spec, devices, chip, group_devices, memory_gib=FLAGS.device_memory_gib,
+                memory_fraction=FLAGS.memory_fraction)
   if FLAGS.topology:
     result["topology"] = FLAGS.topology
   _print(result, spec)
@@ -939,8 +955,8 @@ def _print(result: dict, spec: PlanSpec) -> None:
           if result["sampling_copy_gib"] else "")
   print(f"resident          {result['resident_gib']:.2f} GiB per device (policy and critic "
         f"weights and optimizer states, reference{copy})")
-  memory = result.get("memory_gib")
-  verdict = lambda ok: "" if memory is None else (": fits" if ok else ": does NOT fit")
+  budget = result.get("budget_gib")
+  verdict = lambda ok: "" if budget is None else (": fits" if ok else ": does NOT fit")
   for k, v in result["sampler_hosts"].items():
     mark = " <- planned" if k == result["hosts_per_group"] else ""
     print(f"sampler_hosts={k:<3} {v['groups']:>3} group(s) on mesh {v['sampler_mesh']}, copy "
@@ -967,9 +983,10 @@ def _print(result: dict, spec: PlanSpec) -> None:
           f"{e['dialogue_tokens']} policy tokens a dialogue, learner {e['learner_s']:.1f} s), "
           f"update MFU {e['update_mfu']:.0%}{tokens}: a roofline cost model "
           f"(rlver_jax/costs.py), not a measurement")
-  if memory is not None:
-    print(f"verdict: {'fits' if result['fits'] else 'does NOT fit'} in {memory:g} GiB per "
-          f"device (sampler_hosts={result['hosts_per_group']})")
+  if budget is not None:
+    print(f"verdict: {'fits' if result['fits'] else 'does NOT fit'} in {budget:.4g} GiB per "
+          f"device ({result['memory_fraction']:.0%} of {result['memory_gib']:g}; "
+          f"sampler_hosts={result['hosts_per_group']})")
 
 
 if __name__ == "__main__":
