@@ -1,6 +1,9 @@
-"""Advantage estimators (pure, jittable) and the host-side step that applies them to a batch."""
+"""Advantage estimators (pure, jittable) and the host-side step that applies them to a batch:
+a registry of verl's names (gae, grpo), each a function of the batch and the `rl` section."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -77,32 +80,63 @@ def grpo_advantages(scores, group_ids, normalize_std: bool = True, eps: float = 
 
 
 
-def compute_advantages(batch: TrainBatch, cfg: losses.RLConfig) -> TrainBatch:
-  """`batch` with advantages and returns (host numpy in, numpy out).
+# An estimator: (batch, rl config) -> the batch with `advantages_bt` and `returns_bt` (host
+# numpy in, numpy out). verl's names and registry (`core_algos.register_adv_est`).
+AdvantageEstimator = Callable[[TrainBatch, losses.RLConfig], TrainBatch]
+ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
 
-  GAE reads `old_values_bt` (and `ref_logprobs_bt` with a KL penalty in the
-  reward, which then replaces `token_rewards_bt`); GRPO reads scores and groups.
-  """
+
+def register_adv_est(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
+  """Registers an advantage estimator under `name` (verl's `register_adv_est`)."""
+  def register(fn: AdvantageEstimator) -> AdvantageEstimator:
+    if name in ADV_ESTIMATORS:
+      raise ValueError(f"advantage estimator {name!r} is registered twice")
+    ADV_ESTIMATORS[name] = fn
+    return fn
+  return register
+
+
+def get_adv_estimator_fn(name: str) -> AdvantageEstimator:
+  """The estimator registered as `name` (verl's `get_adv_estimator_fn`)."""
+  if name not in ADV_ESTIMATORS:
+    raise ValueError(f"unknown advantage estimator {name!r}; expected one of "
+                     f"{sorted(ADV_ESTIMATORS)}")
+  return ADV_ESTIMATORS[name]
+
+
+@register_adv_est("gae")
+def gae_batch(batch: TrainBatch, cfg: losses.RLConfig) -> TrainBatch:
+  """PPO's: GAE over the critic's `old_values_bt`, whitened over the batch's tokens. With a
+  KL penalty in the reward it reads `ref_logprobs_bt`, and the penalised rewards replace
+  `token_rewards_bt`."""
   mask = jnp.asarray(batch.loss_mask_bt)
-  if cfg.adv_estimator == "grpo":
-    seq_adv = grpo_advantages(jnp.asarray(batch.scores_b), batch.groups_b,
-                              normalize_std=cfg.grpo_normalize_std)
-    advantages = seq_adv[:, None] * mask
-    returns = jnp.zeros_like(advantages)
-  elif cfg.adv_estimator == "gae":
-    rewards = jnp.asarray(batch.token_rewards_bt)
-    if cfg.kl_coef and cfg.kl_in_reward:
-      kl = losses.kl_penalty(jnp.asarray(batch.old_logprobs_bt),
-                             jnp.asarray(batch.ref_logprobs_bt), cfg.kl_estimator)
-      rewards = rewards - cfg.kl_coef * kl * mask
-    advantages, returns = gae_advantages(rewards, jnp.asarray(batch.old_values_bt), mask,
-                                         cfg.gamma, cfg.lam)
-    batch = batch.replace(token_rewards_bt=np.asarray(rewards))  # with any KL penalty
-  else:
-    raise ValueError(f"unknown advantage estimator {cfg.adv_estimator!r}; expected gae or grpo")
-  if cfg.adv_estimator == "gae" and cfg.whiten_advantages:
-    # GAE only. GRPO's advantages are already normalised within each group; whitening
-    # them again over the batch's tokens (verl and Tunix do not) subtracts a
-    # length-weighted mean that turns a short above-average dialogue's advantage negative.
+  rewards = jnp.asarray(batch.token_rewards_bt)
+  if cfg.kl_coef and cfg.kl_in_reward:
+    kl = losses.kl_penalty(jnp.asarray(batch.old_logprobs_bt),
+                           jnp.asarray(batch.ref_logprobs_bt), cfg.kl_estimator)
+    rewards = rewards - cfg.kl_coef * kl * mask
+  advantages, returns = gae_advantages(rewards, jnp.asarray(batch.old_values_bt), mask,
+                                       cfg.gamma, cfg.lam)
+  if cfg.whiten_advantages:
     advantages = masked_whiten(advantages, mask)
-  return batch.replace(advantages_bt=np.asarray(advantages), returns_bt=np.asarray(returns))
+  return batch.replace(token_rewards_bt=np.asarray(rewards), advantages_bt=np.asarray(advantages),
+                       returns_bt=np.asarray(returns))
+
+
+@register_adv_est("grpo")
+def grpo_batch(batch: TrainBatch, cfg: losses.RLConfig) -> TrainBatch:
+  """GRPO's: each dialogue's score against its group's (`scores_b`, `groups_b`), on every
+  token of its replies; no returns (no critic). Never whitened again over the batch's tokens
+  (verl and Tunix do not): a length-weighted mean would turn a short above-average
+  dialogue's advantage negative."""
+  mask = jnp.asarray(batch.loss_mask_bt)
+  seq_adv = grpo_advantages(jnp.asarray(batch.scores_b), batch.groups_b,
+                            normalize_std=cfg.grpo_normalize_std)
+  advantages = seq_adv[:, None] * mask
+  return batch.replace(advantages_bt=np.asarray(advantages),
+                       returns_bt=np.zeros(advantages.shape, np.float32))
+
+
+def compute_advantages(batch: TrainBatch, cfg: losses.RLConfig) -> TrainBatch:
+  """`batch` with the advantages of `cfg.adv_estimator` (the registry's)."""
+  return get_adv_estimator_fn(cfg.adv_estimator)(batch, cfg)

@@ -99,6 +99,23 @@ def test_grpo_advantages_are_not_whitened_across_the_batch():
   np.testing.assert_allclose(out.advantages_bt, expected[:, None] * batch.loss_mask_bt, atol=1e-5)
 
 
+def test_each_algorithm_takes_its_estimator_from_the_registry(monkeypatch):
+  assert set(advantages.ADV_ESTIMATORS) == {"gae", "grpo"}  # verl's names
+  for algorithm in losses.ALGORITHMS:
+    estimator = RLConfig(algorithm=algorithm).adv_estimator
+    assert advantages.get_adv_estimator_fn(estimator) is advantages.ADV_ESTIMATORS[estimator]
+  with pytest.raises(ValueError, match=r"unknown advantage estimator 'rloo'; expected one of "
+                     r"\['gae', 'grpo'\]"):
+    advantages.get_adv_estimator_fn("rloo")
+  with pytest.raises(ValueError, match="'gae' is registered twice"):
+    advantages.register_adv_est("gae")(advantages.gae_batch)
+  # A registered estimator is what compute_advantages runs for its name.
+  batch = batch_lib.collate([_sample(3, 1.0, 0)])
+  monkeypatch.setitem(advantages.ADV_ESTIMATORS, "gae", lambda b, cfg: b.replace(
+      advantages_bt=np.full(b.loss_mask_bt.shape, 7.0, np.float32)))
+  assert np.all(advantages.compute_advantages(batch, RLConfig()).advantages_bt == 7.0)
+
+
 def test_gae_advantages_are_whitened():
   samples = [_sample(5, 1.0, 0), _sample(3, 0.0, 1)]
   batch = batch_lib.collate(samples)
