@@ -22,8 +22,9 @@ VARIANTS = ("", "think")
 
 
 def base_config(arg: str = "") -> ml_collections.ConfigDict:
-  """The paper's PPO setting: `rlver_jax/sections.py:TrainRun`'s defaults, each field's
-  meaning written there (`python -m rlver_jax.fields --config=configs/ppo.py` lists them)."""
+  """The paper's PPO setting: `rlver_jax/sections.py:TrainRun`'s defaults, with sampler
+  groups sized by the plan (`rollout.sampler_hosts='auto'`); each field's meaning written
+  there (`python -m rlver_jax.fields --config=configs/ppo.py` lists them)."""
   if arg not in VARIANTS:
     raise ValueError(f"unknown config variant {arg!r}; use '' or 'think'")
   c = sections.config_dict(sections.TrainRun())
@@ -36,6 +37,12 @@ def base_config(arg: str = "") -> ml_collections.ConfigDict:
   # 0 in its first update, which takes its own log-probs, 2.7% in its second): the compiler
   # rounds a gradient program's forward and a forward-only program differently.
   c.rl.old_logprobs = "sampler"
+  # Sampler groups: the fewest hosts whose plan fits 90% of a chip's memory, planned at
+  # start-up on a multi-host slice (one host, or chips that report no memory: 1). Qwen2.5-72B
+  # at 8k on a v5p-128 needs 2: a host's own chips hold the bf16 copy whole, and the update
+  # peaks at 94.2 GiB of 95 (`python -m rlver_jax.plan --config=configs/ppo.py
+  # --topology=v5p-128 --model=qwen2.5-72b --seq_len=8192`: 58.4 / 77.3 GiB with 2).
+  c.rollout.sampler_hosts = "auto"
   return c
 
 

@@ -252,6 +252,8 @@ def test_a_recipe_plans_as_shipped_with_its_overrides(tmp_path, v5p_16):
           "reference/logprobs", "policy/logprobs"} <= set(result["programs"])
   assert result["programs"]["policy/gradients"]["calls"] == 4
   assert result["micro_batch"] == 8  # the trainer's: 32 dialogues, 4 micro-batches
+  # rollout.sampler_hosts='auto': the fewest hosts per sampler group that fit, planned.
+  assert result["hosts_per_group"] == result["recommended_hosts"] == 1
 
 
 @pytest.mark.heavy
@@ -263,6 +265,7 @@ def test_an_in_process_simulator_joins_the_plan(v5p_16):
   from configs import grpo
   config = grpo.get_config()
   config.sim_user.backend = "flax"
+  config.rollout.sampler_hosts = "1"  # the in-process simulator samples beside each host's own
   config.rollout.max_dialogue_tokens = 1000
   spec = plan.spec_from_config(config)
   spec = dataclasses.replace(spec, model=TINY, simulator=TINY, simulator_prompt_tokens=300,

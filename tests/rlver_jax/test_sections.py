@@ -40,7 +40,10 @@ def test_a_config_dict_of_the_defaults_reads_back_as_the_defaults(run):
 
 
 def test_the_recipes_are_the_defaults_with_their_own_changes():
+  # The PPO recipe's one change: sampler groups sized by the plan at start-up.
   defaults = sections.TrainRun()
+  defaults = dataclasses.replace(defaults, rollout=dataclasses.replace(defaults.rollout,
+                                                                       sampler_hosts="auto"))
   assert sections.typed(sections.TrainRun, ppo.base_config()) == defaults
   assert sections.typed(sections.TrainRun, ppo.base_config("think")) == dataclasses.replace(
       defaults, rollout=dataclasses.replace(defaults.rollout, thinking=True))
