@@ -97,7 +97,8 @@ def hosts_per_group(config, policy_path: str) -> int:
   hosts = jax.process_count()
   if config.rollout.sampler_hosts != AUTO:
     return int(config.rollout.sampler_hosts)
-  limit = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  # This process's own chip: another process's devices report no memory statistics.
+  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
   if not limit or hosts == 1:
     return 1
   from rlver_jax import plan  # the planner builds its abstract run from this module
