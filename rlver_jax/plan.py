@@ -501,8 +501,8 @@ def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None,
   side by side (`group_devices(k)`: the devices of a k-host slice, `_Planner`); `chip` (a TPU
   or GPU generation) adds times and the step estimate. The verdict is against `memory_gib`
   (default: the chip's HBM): a peak fits when it is at most `memory_fraction` of it. The
-  headline (`programs`, the peaks) is the run's group size,
-  or with `rollout.sampler_hosts='auto'` the fewest hosts that fit (`recommended_hosts`)."""
+  headline (`programs`, the peaks) is the run's group size, or with
+  `rollout.sampler_hosts='auto'` the fewest hosts that fit (`recommended_hosts`)."""
   planner = _Planner(spec, devices, group_devices)
   mesh = planner.mesh
   memory_gib = memory_gib or (chip.hbm_gib if chip is not None else None)
@@ -619,7 +619,8 @@ def _sampler_results(sampler: SamplerPlan, hosts_per_group: int, layout: str,
 def fewest_sampler_hosts(config, policy_path: str, devices, memory_gib: float) -> int:
   """The fewest hosts per sampler group (1, 2, 4, ...) whose plan of the training run
   `config` with the policy of checkpoint directory `policy_path` fits `memory_gib` per chip
-  (`USABLE_MEMORY_FRACTION` of it) on `devices`: what `rollout.sampler_hosts='auto'` runs. UserInputError where none fits."""
+  (`USABLE_MEMORY_FRACTION` of it) on `devices`: what `rollout.sampler_hosts='auto'` runs.
+  UserInputError where none fits."""
   spec = spec_from_config(config, Overrides(hf_config=os.path.join(policy_path, "config.json")))
   auto = dataclasses.replace(spec.run, rollout=dataclasses.replace(spec.run.rollout,
                                                                    sampler_hosts=AUTO))
@@ -628,7 +629,7 @@ def fewest_sampler_hosts(config, policy_path: str, devices, memory_gib: float) -
     misses = {k: round(v["peak_gib"] - result["budget_gib"], 2)
               for k, v in result["sampler_hosts"].items()}
     raise UserInputError(f"rollout.sampler_hosts='auto': no sampler group size fits "
-                         f"{result['budget_gib']:.4g} GiB per chip ({USABLE_MEMORY_FRACTION:.0%} "
+                         f"{result['budget_gib']:.4g} GiB per chip ({result['memory_fraction']:.0%} "
                          f"of {memory_gib:.4g}; GiB over, by hosts per group: {misses}); see "
                          "python -m rlver_jax.plan")
   return result["recommended_hosts"]

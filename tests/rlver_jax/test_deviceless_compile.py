@@ -265,7 +265,7 @@ def test_an_in_process_simulator_joins_the_plan(v5p_16):
   from configs import grpo
   config = grpo.get_config()
   config.sim_user.backend = "flax"
-  config.rollout.sampler_hosts = "1"  # the in-process simulator samples beside each host's own
+  config.rollout.sampler_hosts = "1"  # the in-process simulator: one sampler group per host
   config.rollout.max_dialogue_tokens = 1000
   spec = plan.spec_from_config(config)
   spec = dataclasses.replace(spec, model=TINY, simulator=TINY, simulator_prompt_tokens=300,
