@@ -83,6 +83,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
 
   turn_key = lambda turn: keys.turn(key, turn)
   stats_before = copy.copy(sampler.stats)
+  sim_events_before = dict(user.metrics)
   if config.engine == "continuous":
     sim_seconds += engine.run(sampler, agent, user, dialogues, config, turn_key)
   else:
@@ -92,6 +93,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   metrics = rollout_metrics(samples, dialogues, user.emotion_rules)
   wall = time.perf_counter() - start_time
   agent_metrics = agent.metrics()
+  metrics.update(simulator_events(user.metrics, sim_events_before))
   metrics.update({"time/rollout": wall, "time/simulator": sim_seconds, **agent_metrics,
                   **sampler.stats.since(stats_before).metrics(),
                   "rollout/sim_wait_s": sim_seconds,
@@ -116,6 +118,22 @@ host_metrics.declare({
 # that intention (counted as emotion/final/<intention>).
 host_metrics.declare_family("emotion/final/", host_metrics.weighted("emotion/final/"))
 host_metrics.declare_family("success_rate/", host_metrics.weighted("emotion/final/"))
+
+
+# The replies the scripted user could not read (sim_user/backends/scripted.py), in percent.
+host_metrics.declare({"replies/garbled_rate": host_metrics.ratio(
+    "sim/scripted/replies_unreadable", "sim/scripted/replies_judged", 100.0)})
+
+
+def simulator_events(counts: dict, before: dict) -> dict:
+  """The simulator's event counts since `before` (the batch's), and the share of the agent's
+  replies its user could not read where the user counts them (the scripted one does)."""
+  events = {key: count - before.get(key, 0) for key, count in counts.items()}
+  judged = events.get("sim/scripted/replies_judged")
+  if judged:
+    events["replies/garbled_rate"] = 100.0 * events.get("sim/scripted/replies_unreadable",
+                                                         0) / judged
+  return events
 
 
 def rollout_metrics(samples: Sequence[Sample], dialogues: Sequence[Dialogue],

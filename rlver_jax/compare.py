@@ -33,7 +33,8 @@ from rlver_jax import metrics as metrics_lib
 from rlver_jax import workdir as workdir_lib
 
 DEFAULT_LAST = 5
-HEADLINE_KEYS = ("emotion/final_mean", "success_rate", "reward/mean")
+# replies/garbled_rate: the share of replies the scripted user could not read (rl/rollout.py).
+HEADLINE_KEYS = ("emotion/final_mean", "success_rate", "replies/garbled_rate", "reward/mean")
 # Per hidden intention (the demo's profiles): the title of its table and its metric family.
 INTENTION_TABLES = (("Final emotion by hidden intention", metrics_lib.INTENTION_PREFIX),
                     ("Success (%) by hidden intention", metrics_lib.INTENTION_SUCCESS_PREFIX))
@@ -161,7 +162,7 @@ def arm_stats(runs: list[SweepRun], keys: list[str], last: int) -> dict[str, dic
 
 def decimals(key: str) -> int:
   """An emotion (0-100) or a percentage with 1 decimal; any other metric (a reward) with 3."""
-  return 1 if key.startswith(("emotion/", "success_rate")) else 3
+  return 1 if key.startswith(("emotion/", "success_rate", "replies/garbled_rate")) else 3
 
 
 def _cell(stat: Stat | None, base: Stat | None, is_base: bool, interval: bool, d: int) -> str:
@@ -202,6 +203,22 @@ def all_stats(runs: list[SweepRun], last: int):
   return arms_in_order(runs), headline, intentions, keys, arm_stats(runs, keys, last)
 
 
+def _runs_table(runs: list[SweepRun], headline: list[str], intentions: dict[str, list[str]],
+                last: int) -> list[str]:
+  """One row per run with steps: its headline metrics and final emotion by intention, each
+  its mean over its last `last` steps (the seed-to-seed spread the tables above summarise)."""
+  columns = headline + [metrics_lib.INTENTION_PREFIX + i
+                        for i in intentions[metrics_lib.INTENTION_PREFIX]]
+  headers = headline + intentions[metrics_lib.INTENTION_PREFIX]
+  lines = ["| run | steps | " + " | ".join(headers) + " |", "|---|---|" + "---|" * len(columns)]
+  for run in runs:
+    if run.records:
+      cells = ["-" if v is None else f"{v:.{decimals(key)}f}"
+               for key in columns for v in [final_value(run.records, key, last)]]
+      lines.append(f"| {run.name} | {len(run.records)} | " + " | ".join(cells) + " |")
+  return lines
+
+
 def markdown(root: str, grid: dict, runs: list[SweepRun], last: int) -> str:
   arms, headline, intentions, _, stats = all_stats(runs, last)
   seeds = {arm: sum(1 for run in runs if run.arm == arm and run.records) for arm in arms}
@@ -219,6 +236,7 @@ def markdown(root: str, grid: dict, runs: list[SweepRun], last: int) -> str:
       lines += ["", f"## {title}", ""]
       lines += _markdown_table(arms, [(i, prefix + i) for i in intentions[prefix]], stats, seeds,
                                interval=False)
+  lines += ["", "## Each run", ""] + _runs_table(runs, headline, intentions, last)
   unfinished = [run.name for run in runs if not run.done]
   if unfinished:
     lines += ["", f"Not finished ({len(unfinished)} of {len(runs)} runs; counted with the steps "

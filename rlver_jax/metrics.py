@@ -11,8 +11,9 @@ from absl import logging
 from models.errors import UserInputError
 
 TB_EVENTS_PREFIX = "events.out.tfevents"
-CURVE_KEYS = ("reward/mean", "emotion/final_mean", "success_rate")
-PERCENT_KEYS = ("success_rate", "failure_rate")  # in percent (rl/rollout.py), drawn with a %
+CURVE_KEYS = ("reward/mean", "emotion/final_mean", "success_rate", "replies/garbled_rate")
+# In percent (rl/rollout.py), drawn with a %.
+PERCENT_KEYS = ("success_rate", "failure_rate", "replies/garbled_rate")
 # Per-step simulator counters drawn together in one panel; a step without one had none.
 SIMULATOR_FAILURE_KEYS = ("dialogues/simulator_failed", "dialogues/dropped")
 SIMULATOR_RETRY_PREFIX = "sim/retries"  # sim/retries, sim/retries_succeeded, ...

@@ -308,23 +308,18 @@ class Trainer:
     self.sampler_step = self.step
 
   def _collect(self, step: int, profile_ids: list[int], sampler, user):
-    """`step`'s rollout of these profiles (this host's share) and its simulator events. A
-    host that follows its sampler group's leader dispatches the leader's programs and has
-    no dialogues of its own."""
+    """`step`'s rollout of these profiles (this host's share). A host that follows its sampler
+    group's leader dispatches the leader's programs and has no dialogues of its own."""
     if not self.hosts.leads_group:
       sampler.follow()
-      return rollout_lib.Rollout(samples=[], dialogues=[], metrics={}), {}
+      return rollout_lib.Rollout(samples=[], dialogues=[], metrics={})
     chosen = [self.profiles[i] for i in profile_ids]
     share = self.hosts.share(len(chosen))  # this host's dialogues
-    sim_counts_before = dict(user.metrics)
     with sampler.leading():
-      rollout = rollout_lib.collect(
+      return rollout_lib.collect(
           sampler, self.models.formatter, user, chosen[share.start:share.stop],
           self.rollout_cfg, keys.rollout_step(self.config.seed, step),
           first_profile=share.start, reward=self.config.rl.reward)
-    sim_events = {key: count - sim_counts_before.get(key, 0)  # this rollout's simulator events
-                  for key, count in user.metrics.items()}
-    return rollout, sim_events
 
   def _start_prefetch(self, step: int) -> None:
     """Starts collecting `step`'s dialogues in the background with the current weights."""
@@ -341,7 +336,7 @@ class Trainer:
       prefetch.cancel()
 
   def _rollout(self, step: int):
-    """(rollout, simulator events, data position after it, the step whose weights sampled
+    """(rollout, data position after it, the step whose weights sampled
     it, seconds waited for it), or None when a stop signal came first. The rollout is the
     one collected ahead in the background, if any, else collected now."""
     if self.prefetch is not None and self.prefetch.step != step:
@@ -353,13 +348,13 @@ class Trainer:
     try:
       with self.signals.abortable():  # a signal drops the rollout: the update would be long
         if prefetch is not None:
-          rollout, sim_events = prefetch.result()  # the background rollout's error, raised here
+          rollout = prefetch.result()  # the background rollout's error, raised here
           self.prefetch = None
-          return (rollout, sim_events, prefetch.info["position"], prefetch.info["weights_step"],
+          return (rollout, prefetch.info["position"], prefetch.info["weights_step"],
                   time.perf_counter() - start)
         profile_ids, position = self.order.peek(self.config.batch_size)
-        rollout, sim_events = self._collect(step, profile_ids, self.models.sampler, self.user)
-        return rollout, sim_events, position, self.sampler_step, time.perf_counter() - start
+        rollout = self._collect(step, profile_ids, self.models.sampler, self.user)
+        return rollout, position, self.sampler_step, time.perf_counter() - start
     except preemption.StopRequested:
       return None  # a prefetch still running is dropped by `_stop`
 
@@ -373,12 +368,12 @@ class Trainer:
     signal_name = self.signals.agreed()  # every host, after its rollout
     if signal_name:
       self._stop(signal_name)  # the data position stays step `self.step`'s: drawn again
-    rollout, sim_events, position, weights_step, waited = collected
+    rollout, position, weights_step, waited = collected
     self.order.position = position
     if self.off_policy_steps and step < config.steps:
       self._start_prefetch(step + 1)  # beside this step's update, with the weights before it
     self.dialogue_log.observe(step, rollout.dialogues)
-    rollout_metrics = {**rollout.metrics, **sim_events,
+    rollout_metrics = {**rollout.metrics,
                        # Updates between the weights that sampled this step and those it
                        # trains (0: on-policy), and the seconds the step waited for them.
                        "rollout/policy_lag": self.step - weights_step, "rollout/wait_s": waited}

@@ -267,15 +267,16 @@ class SimulatedUser:
     return results
 
   def _complete(self, requests: list[SimRequest]) -> list:
-    """The backend's outputs; its own events (an HTTP backend's attempts and retries, in its
-    `stats`) are added to `metrics` as sim/http/<event>."""
+    """The backend's outputs; its own events (its `stats`: an HTTP backend's attempts and
+    retries, the scripted user's judged and unreadable replies) are added to `metrics` as
+    sim/<its stats_family>/<event>."""
     outputs = self.backend.complete(requests)
     stats = getattr(self.backend, "stats", None)
     if stats is not None:
       with self._lock:
         now = collections.Counter(dict(stats))  # dict(): one atomic copy
         for event, count in (now - self._backend_events_seen).items():
-          self.metrics[f"sim/http/{event}"] += count
+          self.metrics[f"sim/{self.backend.stats_family}/{event}"] += count
         self._backend_events_seen = now
     return outputs
 

@@ -50,8 +50,10 @@ class SimulatorUnavailable(UserInputError):
 
 class Backend(Protocol):
   """What every backend implements. A backend that talks to a server also has
-  `health_check()` (raises `SimulatorUnavailable`) and `stats`, a Counter of its
-  own attempts and retries that the simulator copies into its metrics."""
+  `health_check()` (raises `SimulatorUnavailable`). A backend may count its own
+  events in `stats` (a Counter: a server's attempts and retries, the scripted
+  user's unreadable replies), which the simulator copies into its metrics as
+  sim/<`stats_family`>/<event>."""
 
   def complete(self, requests: Sequence[SimRequest]) -> list[str | BackendError]:
     """One text (or the error that replaced it) per request, in order. Never raises for

@@ -51,6 +51,7 @@ HEALTH_PROMPT = "This is a connection test. Reply with the single word OK."
 
 
 class OpenAIChatBackend:
+  stats_family = "http"  # its `stats` become sim/http/<event>
 
   def __init__(self, base_url: str, model: str, *, api_key_env: str = "OPENAI_API_KEY",
                max_concurrency: int = 8, timeout_s: float = 120.0, max_retries: int = 4,

@@ -32,8 +32,10 @@ from __future__ import annotations
 import collections
 import dataclasses
 import hashlib
+import json
 import os
 import re
+import threading
 from typing import Sequence
 
 from sim_user import dynamics
@@ -138,13 +140,16 @@ _LINES = {
     },
 }
 
-# English words the user knows: those of the tiny tokenizer's corpus, the demo profiles and
-# its own lines (sim_user/data/words_en.txt).
-WORDS_EN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "words_en.txt")
-with open(WORDS_EN) as _f:
-  KNOWN_WORDS = frozenset(_f.read().split())
+# The English the user reads: every sentence of the tiny policy's corpus and warm-up chats
+# (sim_user/data/sentences_en.txt, written by `python -m rlver_jax.tiny --user_sentences`), of the
+# demo profiles and of its own lines.
+SENTENCES_EN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sentences_en.txt")
+DEMO_PROFILES_EN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
+                                "demo_profiles.jsonl")
+SENTENCE_START, SENTENCE_END = "<s>", "</s>"
 
 _WORD_RE = re.compile(r"[a-z]+(?:'[a-z]+)?")
+_SENTENCE_END_RE = re.compile(r"[.?!:;\n]+")
 _CJK_RE = re.compile(r"[\u4e00-\u9fff]")
 
 
@@ -152,23 +157,48 @@ def _words(text: str) -> list[str]:
   return _WORD_RE.findall(text.lower())
 
 
-def is_natural_language(reply: str) -> bool:
-  """Whether the user can read `reply` as a sentence.
+def sentences(text: str) -> list[tuple[str, ...]]:
+  """`text`'s sentences (ended by . ? ! : ; or a new line), each as its lowercase words."""
+  return [words for words in map(tuple, map(_words, _SENTENCE_END_RE.split(text))) if words]
 
-  English: at least two distinct words, no word more than half of all words
-  ("sorry sorry understand" fails), and at least half of the words known
-  (`KNOWN_WORDS`; garbled subwords such as "ingthe" are not). Chinese: at
-  least two distinct characters.
+
+def trigrams(sentence: Sequence[str]) -> list[tuple[str, str, str]]:
+  """A sentence's word trigrams, with its start and end: ("<s>", "i", "hear"), ..."""
+  padded = (SENTENCE_START, *sentence, SENTENCE_END)
+  return list(zip(padded, padded[1:], padded[2:]))
+
+
+def _known_texts() -> list[str]:
+  with open(SENTENCES_EN) as f:
+    texts = f.read().splitlines()
+  with open(DEMO_PROFILES_EN) as f:
+    for line in f:
+      texts += [v for v in json.loads(line).values() if isinstance(v, str)]
+  return texts + list(HINTS["en"].values()) + [l for ls in _LINES["en"].values() for l in ls]
+
+
+KNOWN_TRIGRAMS = frozenset(t for text in _known_texts() for s in sentences(text)
+                           for t in trigrams(s))
+
+
+def is_natural_language(reply: str) -> bool:
+  """Whether the user can read `reply` as sentences of its English.
+
+  English: at least two distinct words, no sentence said twice, and every
+  word trigram of every sentence, with the sentence's start and end, one the
+  user has read (`KNOWN_TRIGRAMS`). So the known sentences pass, and so do
+  joins of them where three words run as they do in one ("Tell me more, I am
+  listening."); garbled subwords ("ingthe"), dropped words ("Maybe your friend
+  scared.", "Think about on."), swaps ("You are not your fault.") and repeats
+  ("Go on. Go on.") do not. Chinese: at least two distinct characters.
   """
   cjk = _CJK_RE.findall(reply)
   if cjk:
     return len(set(cjk)) >= 2
-  words = _words(reply)
-  if len(set(words)) < 2:
+  said = sentences(reply)
+  if len({w for s in said for w in s}) < 2 or len(set(said)) < len(said):
     return False
-  most_common = collections.Counter(words).most_common(1)[0][1]
-  known = sum(w in KNOWN_WORDS for w in words)
-  return 2 * most_common <= len(words) and 2 * known >= len(words)
+  return all(t in KNOWN_TRIGRAMS for s in said for t in trigrams(s))
 
 
 def _hits(text: str, phrases: Sequence[str]) -> list[str]:
@@ -226,7 +256,18 @@ def _pick(options: Sequence[str], *keys) -> str:
 
 
 class ScriptedBackend:
-  """Deterministic affect model; `complete` never fails."""
+  """Deterministic affect model; `complete` never fails.
+
+  `stats` counts the agent replies it judged and those it could not read
+  (`replies_judged`, `replies_unreadable`): the simulator reports them as
+  sim/scripted/..., and the rollout their ratio as replies/garbled_rate.
+  """
+
+  stats_family = "scripted"
+
+  def __init__(self):
+    self.stats: collections.Counter = collections.Counter()
+    self._lock = threading.Lock()  # the rollout engine calls `complete` from several threads
 
   def complete(self, requests: Sequence[SimRequest]) -> list[str]:
     return [self._one(r) for r in requests]
@@ -237,6 +278,9 @@ class ScriptedBackend:
       return f"Response: {_pick(_LINES[language]['B'], r.profile.id)}"
     if r.kind == PLANNING:
       v = judge(r.agent_reply, r.profile.intention, r.variant, _encouraged_before(r.history))
+      with self._lock:
+        self.stats["replies_judged"] += 1
+        self.stats["replies_unreadable"] += not v.natural
       verdict = "fully" if len(v.fits) >= 2 else "partly" if v.fits else "not at all"
       heard = "The reply fits" if v.change > 0 else "The reply misses"
       if not v.natural:

@@ -271,10 +271,10 @@ def assert_same_rollouts(lockstep, continuous):
 @pytest.mark.heavy
 def test_continuous_dialogues_equal_lockstep_turn_for_turn(chat_policy):
   # GRPO groups of 2, per-turn rewards, dialogues ending at different turns: the demo user
-  # drops 10-15 points per reply of this random policy (goodbye at 5 after the second, or
-  # failure at the third), and the 25-token budget cuts the third reply short.
+  # cannot read this random policy's replies (-10 each: failure at the third), and the
+  # 24-token budget ends the dialogues of two 12-token replies after the second.
   lockstep, continuous = both_engines(chat_policy, samples_per_profile=2, reward="turn",
-                                      max_dialogue_tokens=25)
+                                      max_dialogue_tokens=24)
   assert_same_rollouts(lockstep, continuous)
   assert len({d.agent_turns for d in lockstep.dialogues}) > 1, [
       (sum(s.loss_mask), s.token_rewards) for s in lockstep.samples]
@@ -285,7 +285,7 @@ def test_continuous_dialogues_equal_lockstep_turn_for_turn(chat_policy):
 
 @pytest.mark.heavy
 def test_continuous_thinking_turns_equal_lockstep(chat_policy):
-  lockstep, continuous = both_engines(chat_policy, thinking=True, max_dialogue_tokens=16)
+  lockstep, continuous = both_engines(chat_policy, thinking=True, max_dialogue_tokens=24)
   assert_same_rollouts(lockstep, continuous)
   assert len(lockstep.samples) == lockstep.metrics["agent_turns/generated"] > len(
       lockstep.dialogues)  # every turn a sample, and some dialogue took more than one
@@ -298,6 +298,7 @@ class SlowForOne(ScriptedBackend):
   max_concurrency = 4
 
   def __init__(self, slow_profile):
+    super().__init__()
     self.slow_profile, self.hold_for = slow_profile, None
     self.calls, self.others_went_on = 0, None
     self.progress = threading.Condition()
@@ -318,7 +319,7 @@ class SlowForOne(ScriptedBackend):
 
 def test_a_slow_failing_simulator_call_does_not_hold_up_other_dialogues(chat_policy):
   sampler, formatter, demo = chat_policy
-  config = RolloutConfig(system_prompt="", max_new_tokens=12, temperature=0.0, max_dialogue_tokens=30)
+  config = RolloutConfig(system_prompt="", max_new_tokens=12, temperature=0.0, max_dialogue_tokens=24)
   backend = SlowForOne(demo[0].id)
   first = rollout_lib.collect(sampler, formatter, make_user(backend), demo, config, jax.random.key(1))
   # Again, the failing call now hanging until the others made every call they made before.
@@ -338,6 +339,7 @@ class AnswersInRandomOrder(ScriptedBackend):
   max_concurrency = 8
 
   def __init__(self, seed):
+    super().__init__()
     self.rng, self.lock = random.Random(seed), threading.Lock()
 
   def complete(self, requests):
@@ -401,6 +403,7 @@ class Slow(ScriptedBackend):
   max_concurrency = 4
 
   def __init__(self, seconds):
+    super().__init__()
     self.seconds = seconds
 
   def complete(self, requests):
@@ -412,7 +415,7 @@ def test_a_rollout_waiting_on_a_slow_simulator_says_so(chat_policy, monkeypatch,
   sampler, formatter, demo = chat_policy
   monkeypatch.setattr(engine, "WAIT_REPORT_S", 0.05)
   config = RolloutConfig(system_prompt="", max_new_tokens=12, temperature=0.0,
-                         max_dialogue_tokens=30)
+                         max_dialogue_tokens=24)
   with caplog.at_level("INFO"):
     rollout_lib.collect(sampler, formatter, make_user(Slow(0.3)), demo[:2], config,
                         jax.random.key(1))

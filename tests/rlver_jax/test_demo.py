@@ -15,6 +15,7 @@ from rlver_jax import eval as evaluator
 from models.sampling import SamplingParams
 from rlver_jax import metrics as metrics_lib
 from models import pretrained
+from rl import rollout as rollout_lib
 from rlver_jax import tiny, trainer
 from sim_user import dynamics, profiles, templates
 from sim_user.backends import scripted
@@ -40,17 +41,48 @@ def play(profile, reply_for_turn, variant="vanilla"):
 
 
 def fitting_reply(profile):
-  first, second = KEY_WORDS[profile.intention][:2]
-  return f"I {first} you, {second}."
+  """The warm-up corpus's first reply of the profile's intention: it serves it fully (+20)."""
+  return warmup_corpus()["replies"][profile.intention][0]
+
+
+GARBLED = "Think about on."  # known words, but no sentence of the user's English: -10
 
 
 @pytest.mark.parametrize("reply,natural", [
-    ("I listen to you.", True), ("listen hear", True), ("Hmm, okay.", True),
-    ("", False), ("   ", False), ("listen", False), ("sorry sorry sorry", False),
-    ("sorry sorry understand", False), ("ingthe xqzt listen", False),
+    ("I hear you. Go on.", True), ("Hmm, maybe.", True), ("Think of both sides", True),
+    ("Tell me more, I am listening. Go on.", True),  # known sentences, joined
+    ("", False), ("   ", False), ("listen", False), ("Okay.", False), ("sorry sorry sorry", False),
+    ("ingthe xqzt listen", False), ("I am sorry itn.", False), (GARBLED, False),
+    ("You are not your fault.", False), ("Maybe your friend scared.", False),
+    ("Try a they change?", False), ("You handled actions were really good.", False),
+    ("Think about the same the same the other way.", False), ("Go on. Go on.", False),
     ("我在听你说。", True), ("好好", False)])
 def test_natural_language_check(reply, natural):
+  """The user reads sentences of its English (every word trigram one it has read, no sentence
+  twice); the garbled replies of earlier demo runs (issue 46) are not."""
   assert is_natural_language(reply) == natural
+
+
+def test_the_scripted_user_reads_the_english_the_tiny_policy_learns():
+  """sim_user/data/sentences_en.txt is the corpus's and the warm-up's lines as they are now
+  (after editing either: python -m rlver_jax.tiny --user_sentences); each line reads."""
+  with open(scripted.SENTENCES_EN) as f:
+    assert f.read().splitlines() == tiny.user_sentences()
+  for kind in warmup_corpus()["replies"].values():
+    assert all(is_natural_language(reply) for reply in kind), kind
+
+
+def test_the_user_counts_the_replies_it_cannot_read_and_the_rollout_their_share():
+  user = user_for()
+  [d] = user.start([DEMO[0]])
+  for reply in (fitting_reply(DEMO[0]), GARBLED, GARBLED, "Do you have a minute?"):
+    user.respond([d], [reply])
+  assert user.metrics["sim/scripted/replies_judged"] == 4
+  assert user.metrics["sim/scripted/replies_unreadable"] == 2
+  before = {"sim/scripted/replies_judged": 1, "sim/scripted/replies_unreadable": 0}
+  events = rollout_lib.simulator_events(user.metrics, before)
+  assert events["sim/scripted/replies_judged"] == 3
+  assert events["replies/garbled_rate"] == pytest.approx(100 * 2 / 3)
 
 
 def test_key_words_are_whole_tokens_of_the_shipped_tokenizer_and_serve_one_intention_each():
@@ -61,7 +93,7 @@ def test_key_words_are_whole_tokens_of_the_shipped_tokenizer_and_serve_one_inten
   for word in words:
     # One token, with its leading space (the user reads words case-blind).
     assert {"\u0120" + word, "\u0120" + word.capitalize()} & set(vocab), word
-    assert word in scripted.KNOWN_WORDS
+    assert any(word in trigram for trigram in scripted.KNOWN_TRIGRAMS), word
 
 
 def test_the_user_hints_at_its_need_in_its_opening_and_every_reply_with_its_own_words():
@@ -70,8 +102,8 @@ def test_the_user_hints_at_its_need_in_its_opening_and_every_reply_with_its_own_
     verdict = judge(hint, profile.intention, "vanilla")
     assert len(verdict.fits) >= 3 and not verdict.other_needs and verdict.natural, (profile.id,
                                                                                      hint)
-    first = KEY_WORDS[profile.intention][0]  # +10 and -5 by turns: the user stays in between
-    d = play(profile, lambda turn: f"I {first} you." if turn % 2 else "Okay, I see.")
+    # +20 and -10 by turns (a fitting reply, one it cannot read): the user stays in between.
+    d = play(profile, lambda turn: fitting_reply(profile) if turn % 2 else GARBLED)
     user_lines = [m["content"] for m in d.history if m["role"] == "user"]
     assert len(user_lines) == 10  # the opening and nine replies
     assert all(hint in line for line in user_lines), profile.id
@@ -79,24 +111,27 @@ def test_the_user_hints_at_its_need_in_its_opening_and_every_reply_with_its_own_
 
 def test_fit_encouragement_off_topic_miss_and_non_language_in_that_order():
   intention = "be_listened_to"
-  fit = judge("I listen and I hear you.", intention, "vanilla").change
-  encourage = judge("I am sorry, I understand.", intention, "vanilla").change
-  again = judge("I am sorry, I understand.", intention, "vanilla", encouraged_before=True).change
-  off_topic = judge("Okay, I see.", intention, "vanilla").change
-  another_need = judge("Why is that?", intention, "vanilla")
-  miss = judge("You should get some advice.", intention, "vanilla").change  # its miss phrases
-  two_needs = judge("Why not try a step?", intention, "vanilla")  # two other needs' words
+  fit = judge("Tell me more, I am listening.", intention, "vanilla").change
+  encourage = judge("I am sorry.", intention, "vanilla").change
+  again = judge("I am sorry.", intention, "vanilla", encouraged_before=True).change
+  off_topic = judge("Do you have a minute?", intention, "vanilla").change
+  another_need = judge("Maybe they were scared?", intention, "vanilla")
+  # A missing phrase ("advice") and another need's word ("sure").
+  miss = judge("I am not sure that advice works for someone like me.", intention, "vanilla")
+  two_needs = judge("How are you feeling right now?", intention, "vanilla")
   garbled = judge("ingthe xqzt listen", intention, "vanilla").change
-  assert (fit, encourage, again, off_topic, another_need.change, miss, two_needs.change,
+  assert (fit, encourage, again, off_topic, another_need.change, miss.change, two_needs.change,
           garbled) == (20, 5, -5, -5, -5, -10, -10, -10)
-  assert another_need.other_needs == ["understand_others"]
-  assert two_needs.other_needs == ["get_advice", "understand_others"]
+  assert another_need.other_needs == ["understand_others"] and miss.misses == ["advice"]
+  assert two_needs.other_needs == ["deep_empathy", "not_my_fault"]
   assert judge("I am listening.", intention, "vanilla").change == 10  # one fitting phrase
-  assert judge("I hear you. Why?", intention, "vanilla").change == 15  # another need: -5
+  # Two fitting phrases, and "work" (advice): -5.
+  assert judge("Tell me more about what happened at work today.", intention,
+               "vanilla").change == 15
 
 
 def test_the_reward_hack_scores_low_and_only_fitting_replies_succeed():
-  hacks = ["sorry sorry sorry", "I am sorry, I understand.", "I support you, it's okay.",
+  hacks = ["sorry sorry sorry", "I am sorry.", "I understand you. You are not alone.",
            "you you you you"]
   for profile in DEMO:
     for hack in hacks:
@@ -116,18 +151,19 @@ def test_success_needs_the_intention_served_turn_after_turn():
   profile = DEMO[0]
   fit = fitting_reply(profile)
   # Three fully fitting turns, encouragement (+5 once, then off topic) in between: not enough.
-  d = play(profile, lambda turn: fit if turn in (2, 4, 6) else "I am sorry, I understand.")
+  d = play(profile, lambda turn: fit if turn in (2, 4, 6) else "I am sorry.")
   assert d.emotions == [30, 35, 30, 50, 45, 65, 60, 80, 75, 70]
   assert d.end_reason == dynamics.MAX_TURNS
   # One fitting phrase a turn gets there too, in seven turns.
-  first = KEY_WORDS[profile.intention][0]
-  d = play(profile, lambda turn: f"I {first} you.")
+  one_fit = "I think I will go now."  # "think"
+  assert judge(one_fit, profile.intention, "vanilla").change == 10, profile.intention
+  d = play(profile, lambda turn: one_fit)
   assert d.emotion == 100 and d.agent_turns == 7
 
 
 def test_the_challenging_user_neither_hints_nor_warms_to_encouragement():
   profile = DEMO[5]
-  d = play(profile, lambda turn: "I am sorry, I understand.", variant="challenging")
+  d = play(profile, lambda turn: "I am sorry.", variant="challenging")
   assert d.emotion < 10  # -5 a turn until the user leaves
   hint = scripted.HINTS["en"][profile.intention]
   assert not any(hint in m["content"] for m in d.history[1:] if m["role"] == "user")

@@ -128,6 +128,8 @@ def test_the_comparison_marks_only_the_arm_beyond_the_seed_noise(tmp_path):
   assert "## Final emotion by hidden intention" in table and "| listen |" in table
   assert "## Success (%) by hidden intention" in table
   assert "| rl.kl_coef=0.05 | 3 | 73.0 ± 2.0 (+10.0*) |" in table  # listen: no interval
+  # Each run on its own: the headline metrics, then the final emotion by intention.
+  assert "| rl.kl_coef=0.05/seed=1 | 6 | 72.0 | 36.0 | 0.720 | 73.0 |" in table
   assert "0.620 ± 0.020 [0.570, 0.670]" in rows["rl.kl_coef=0 (baseline)"]  # a reward
   assert "Not finished" not in table
   lines = list(csv.DictReader(io.StringIO((tmp_path / "compare.csv").read_text())))

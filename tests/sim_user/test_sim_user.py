@@ -291,10 +291,10 @@ def test_fitting_replies_raise_emotion_and_missing_ones_lower_it():
   user = make_user()
   good, bad = user.start([demo("be_listened_to"), demo("be_listened_to")])
   assert good.history[0]["content"] == demo("be_listened_to").first_talk
-  # Two fitting phrases +20; two missing ones ("you should", "try to") and another need's key
-  # word ("try", advice) -15.
+  # Two fitting phrases or more +20; a missing one ("solution") and two other needs' key
+  # words ("ask", advice; "did", not my fault) -15.
   for _ in range(3):
-    user.respond([good, bad], ["I am listening, tell me more.", "You should try to relax."])
+    user.respond([good, bad], ["Tell me more, I am listening.", "I did not ask for a solution."])
   assert good.emotions == [30, 50, 70, 90]
   assert bad.emotions == [30, 15, 0] and bad.end_reason == dynamics.FAILURE
   assert bad.reward == 0.0 and good.reward == pytest.approx(0.9)
@@ -315,6 +315,7 @@ class CountingBackend(ScriptedBackend):
   """The scripted user, counting calls by kind and keeping the prompts."""
 
   def __init__(self):
+    super().__init__()
     self.calls, self.prompts = collections.Counter(), []
 
   def complete(self, requests):
@@ -323,7 +324,8 @@ class CountingBackend(ScriptedBackend):
     return super().complete(requests)
 
 
-NEUTRAL = "Good, but you should have."  # to someone who wants praise: +10 - 5 - 5
+# To someone who wants praise: "well" +10, two other needs' words ("last"; "sleep", "night") -10.
+NEUTRAL = "My girlfriend left last month and I still cannot sleep well at night."
 
 
 def run_neutral_dialogue(rules):
@@ -375,7 +377,7 @@ def test_the_reply_call_gets_what_sage_gives_it():
   backend = CountingBackend()
   user = make_user(backend, rules=dynamics.SAGE_BENCHMARK)
   [d] = user.start([demo("be_listened_to")])
-  user.respond([d], ["I am listening, tell me more."])  # +10: 40 -> 50, state B
+  user.respond([d], ["I am listening."])  # +10: 40 -> 50, state B
   planning, reply = backend.prompts
   judged = d.history[-1]["planning"]
   for text in (judged["TargetCompletion"], judged["activity"], judged["analyse"]):
@@ -390,7 +392,7 @@ def test_the_reply_call_gets_what_sage_gives_it():
   assert "not natural language" in planning
   user = make_user(CountingBackend(), rules=dynamics.RLVER_TRAIN, target_header="Reason")
   [d] = user.start([demo("be_listened_to")])
-  user.respond([d], ["I am listening, tell me more."])
+  user.respond([d], ["I am listening."])
   assert "(Reason)" in user.backend.prompts[-1]
 
 
@@ -403,9 +405,9 @@ def test_goodbye_words_are_sage_s(text, goodbye):
 
 
 def test_challenging_simulator_ignores_general_encouragement():
-  assert judge("I understand and I support you.", "be_praised", "vanilla").change == 5
-  assert judge("I understand and I support you.", "be_praised", "challenging").change == -5
-  assert judge("You were brave and I am proud of you.", "be_praised", "challenging").change == 20
+  assert judge("I support you.", "be_praised", "vanilla").change == 5
+  assert judge("I support you.", "be_praised", "challenging").change == -5
+  assert judge("You handled it so well.", "be_praised", "challenging").change == 20
 
 
 def test_vanilla_hints_and_challenging_does_not():
@@ -421,7 +423,7 @@ def test_sage_rules_end_on_success_with_a_goodbye():
   [d] = user.start([demo("not_my_fault")])
   turns = 0
   while not d.done:
-    user.respond([d], ["It was not your fault, nobody could have known."])
+    user.respond([d], ["It was not your fault."])
     turns += 1
   assert d.emotion == 100 and d.end_reason == dynamics.SUCCESS and turns == 6
   assert user.metrics["sim/end/success"] == 1
