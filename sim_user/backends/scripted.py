@@ -38,7 +38,7 @@ import re
 import threading
 from typing import Sequence
 
-from sim_user import dynamics
+from sim_user import dynamics, profiles
 from sim_user.backends.base import OPENING, PLANNING, SimRequest
 
 # intention -> the words the user listens for, some named in its hints. Each is a whole-word
@@ -144,8 +144,6 @@ _LINES = {
 # (sim_user/data/sentences_en.txt, written by `python -m rlver_jax.tiny --user_sentences`), of the
 # demo profiles and of its own lines.
 SENTENCES_EN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sentences_en.txt")
-DEMO_PROFILES_EN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data",
-                                "demo_profiles.jsonl")
 SENTENCE_START, SENTENCE_END = "<s>", "</s>"
 
 _WORD_RE = re.compile(r"[a-z]+(?:'[a-z]+)?")
@@ -171,7 +169,7 @@ def trigrams(sentence: Sequence[str]) -> list[tuple[str, str, str]]:
 def _known_texts() -> list[str]:
   with open(SENTENCES_EN) as f:
     texts = f.read().splitlines()
-  with open(DEMO_PROFILES_EN) as f:
+  with open(profiles.DEMO_PROFILES) as f:
     for line in f:
       texts += [v for v in json.loads(line).values() if isinstance(v, str)]
   return texts + list(HINTS["en"].values()) + [l for ls in _LINES["en"].values() for l in ls]
