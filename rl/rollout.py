@@ -120,19 +120,21 @@ host_metrics.declare_family("emotion/final/", host_metrics.weighted("emotion/fin
 host_metrics.declare_family("success_rate/", host_metrics.weighted("emotion/final/"))
 
 
-# The replies the scripted user could not read (sim_user/backends/scripted.py), in percent.
+# The replies the scripted user could not read (its counts, sim_user/backends/scripted.py), in
+# percent.
+REPLIES_JUDGED = "sim/scripted/replies_judged"
+REPLIES_UNREADABLE = "sim/scripted/replies_unreadable"
 host_metrics.declare({"replies/garbled_rate": host_metrics.ratio(
-    "sim/scripted/replies_unreadable", "sim/scripted/replies_judged", 100.0)})
+    REPLIES_UNREADABLE, REPLIES_JUDGED, 100.0)})
 
 
 def simulator_events(counts: dict, before: dict) -> dict:
   """The simulator's event counts since `before` (the batch's), and the share of the agent's
   replies its user could not read where the user counts them (the scripted one does)."""
   events = {key: count - before.get(key, 0) for key, count in counts.items()}
-  judged = events.get("sim/scripted/replies_judged")
+  judged = events.get(REPLIES_JUDGED)
   if judged:
-    events["replies/garbled_rate"] = 100.0 * events.get("sim/scripted/replies_unreadable",
-                                                         0) / judged
+    events["replies/garbled_rate"] = 100.0 * events.get(REPLIES_UNREADABLE, 0) / judged
   return events
 
 

@@ -162,7 +162,7 @@ def arm_stats(runs: list[SweepRun], keys: list[str], last: int) -> dict[str, dic
 
 def decimals(key: str) -> int:
   """An emotion (0-100) or a percentage with 1 decimal; any other metric (a reward) with 3."""
-  return 1 if key.startswith(("emotion/", "success_rate", "replies/garbled_rate")) else 3
+  return 1 if key.startswith(("emotion/", *metrics_lib.PERCENT_KEYS)) else 3
 
 
 def _cell(stat: Stat | None, base: Stat | None, is_base: bool, interval: bool, d: int) -> str:

@@ -141,9 +141,9 @@ _LINES = {
 }
 
 # The English the user reads: every sentence of the tiny policy's corpus and warm-up chats
-# (sim_user/data/sentences_en.txt, written by `python -m rlver_jax.tiny --user_sentences`), of the
-# demo profiles and of its own lines.
-SENTENCES_EN = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data", "sentences_en.txt")
+# (sim_user/data/sentences_en.txt, written by `python -m rlver_jax.tiny --user_sentences`), of
+# the demo profiles and of its own lines.
+SENTENCES_EN = os.path.join(os.path.dirname(profiles.DEMO_PROFILES), "sentences_en.txt")
 SENTENCE_START, SENTENCE_END = "<s>", "</s>"
 
 _WORD_RE = re.compile(r"[a-z]+(?:'[a-z]+)?")
