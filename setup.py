@@ -25,19 +25,19 @@ setup(
         "numpy",
         "tqdm",
         "tensorboardX",
-        "tensorboard",  # the README's `tensorboard --logdir` viewer
+        "tensorboard",  # the `tensorboard --logdir` viewer a run names (docs/demo.md)
         "matplotlib",
     ],
     extras_require={
         # torch is the reference for parity tests only; install the CPU wheel
-        # first (see README) so pip does not pull a CUDA build.
+        # first (see docs/testing.md) so pip does not pull a CUDA build.
         # pytest-xdist: the README's test command runs the suite on two workers (`-n 2`).
         "test": ["pytest", "pytest-xdist", "hypothesis", "torch"],
         # Pinned so pip resolves at once: unpinned, google-tunix 0.1.7's safetensors<0.8 clashes
         # with transformers>=5.13, and pip backtracks for minutes through tunix, transformers and
         # datasets down to pyarrow 3.0.0 / numpy 1.19.4, which fail to build. transformers 5.12.1
         # is the newest that takes safetensors<0.8; the lower bounds keep datasets, pyarrow and
-        # numpy on wheels. Install the CPU torch first (README), or torch brings a CUDA build.
+        # numpy on wheels. Install the CPU torch first (bench/README.md), or torch brings a CUDA build.
         "bench": ["torch", "google-tunix==0.1.7", "transformers==5.12.1", "safetensors<0.8",
                   "datasets>=5.2", "pyarrow>=24", "numpy>=2"],
         # libtpu: compile for TPU slices on any machine (python -m rlver_jax.plan --topology=…),
