@@ -3,7 +3,8 @@ the code without running it, so that none goes stale: the module exists, every f
 one the module's source defines, and its --config with the --config.FIELD=VALUE overrides
 loads as the CLIs load it (`rlver_jax.cli.load_config`: field names, value types, variants).
 A sweep's --sweep axes are checked as the sweep checks them before its first run
-(`rlver_jax.sweep.check_runs`: every run of its grid, its sections' checks included).
+(`rlver_jax.sweep.check_runs`: every run of its grid, its sections' checks included). And
+every relative link between the docs names a file that is there, and a heading of it.
 
 Where commands are read: fenced code blocks (a line ending in a backslash goes on) and inline
 code spans. A command starts at `python -m MODULE` or `./run_tpu.sh run MODULE`, MODULE in one
@@ -201,3 +202,25 @@ def test_every_doc_with_a_command_of_ours_has_its_commands_read():
 def test_a_stale_module_flag_or_field_is_named(module, args, says, monkeypatch):
   monkeypatch.chdir(ROOT)
   assert any(says in problem for problem in problems(Command("doc.md", 1, module, args)))
+
+
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+
+
+def anchor(heading: str) -> str:
+  """GitHub's anchor of a heading: lower case, punctuation but '-' and '_' dropped, spaces '-'."""
+  return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_link_between_the_docs_names_a_file_and_heading_there(doc):
+  with open(os.path.join(ROOT, doc)) as f:
+    links = [link for link in LINK.findall(f.read()) if "://" not in link]
+  for link in links:
+    path, _, heading = link.partition("#")
+    target = os.path.normpath(os.path.join(ROOT, os.path.dirname(doc), path or doc))
+    assert os.path.exists(target), (doc, link)
+    if heading:
+      with open(target) as f:
+        headings = [anchor(line.lstrip("#")) for line in f if line.startswith("#")]
+      assert heading in headings, (doc, link)
