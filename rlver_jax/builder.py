@@ -26,7 +26,7 @@ from rl import learner as learner_lib
 from rl import step as step_lib
 from rl import system_prompts, updates
 from rl.rollout_config import AUTO, RolloutConfig
-from rlver_jax import multihost, simulator_factory
+from rlver_jax import multihost, simulator_factory, tiny
 from rlver_jax import workdir as workdir_lib
 from sim_user.simulator import SimulatedUser
 
@@ -70,6 +70,12 @@ def simulated_user(config, mesh: Mesh | None) -> SimulatedUser:
   user = simulator_factory.make_simulated_user(config.sim_user, mesh, seed=config.seed)
   user.check_health()
   return user
+
+
+def policy_path(config) -> str:
+  """The checkpoint directory a training run's policy starts from: `policy.checkpoint`, or with
+  `policy.tiny_init` (the demo) its tiny policy, written on the run's first start."""
+  return tiny.demo_policy(config) if config.policy.tiny_init else config.policy.checkpoint
 
 
 def inference_policy(config, mesh: Mesh | None) -> pretrained.Policy:

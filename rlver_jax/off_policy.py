@@ -2,11 +2,11 @@
 collected in a background thread, with the policy of step n (the weights before its update),
 while step n's update runs.
 
-The trainer (`rlver_jax/trainer.py`) starts a `BackgroundRollout` right after it has step
-n's dialogues and before step n's update, from weights the update does not touch: the
-sampler's own copy (`rollout.sampling_dtype`, refreshed only between rollouts) or, where
-the sampler would decode from the training weights (which the update donates), a copy of
-them made for it. Step n+1 then trains on dialogues one update behind the weights it
+The rollout source (`rlver_jax/rollout_source.py`) starts a `BackgroundRollout` once the
+trainer has step n's dialogues and before step n's update, from weights the update does not
+touch: the sampler's own copy (`rollout.sampling_dtype`, refreshed only between rollouts)
+or, where the sampler would decode from the training weights (which the update donates), a
+copy of them made for it. Step n+1 then trains on dialogues one update behind the weights it
 trains (`rollout/policy_lag` 1); the losses' importance ratio is taken against the
 log-probs the sampler drew the tokens with (`TrainBatch.old_logprobs_bt`), i.e. the
 behaviour policy's, as verl's one-step-off-policy trainer and Tunix's `off_policy_steps` do.

@@ -231,7 +231,7 @@ def demo_policy(config) -> str:
   by process 0 on the run's first start, a tiny model warmed up (`policy.tiny_warmup_steps`,
   `policy.tiny_warmup_helpfulness`) with the run's own system prompt.
 
-  Here with the demo's model, so the general builder knows no demo.
+  Here with the demo's model: the builder (`builder.policy_path`) only calls it.
   """
   path = os.path.join(config.workdir, "init_policy")
   if jax.process_index() == 0 and not os.path.exists(os.path.join(path, "config.json")):

@@ -140,7 +140,7 @@ def test_a_stop_signal_during_the_rollout_collected_ahead_loses_nothing(
     os.kill(os.getpid(), signal.SIGTERM)
     if signal_lands_in == "wait":  # held until the stop drops this rollout
       deadline = time.monotonic() + 120
-      while run.prefetch is not None and time.monotonic() < deadline:
+      while run.rollouts.prefetch is not None and time.monotonic() < deadline:
         time.sleep(0.01)
 
   calls = _record_collects(monkeypatch, before=signal_from_step_3)
@@ -158,7 +158,7 @@ def test_a_stop_signal_during_the_rollout_collected_ahead_loses_nothing(
 
   resumed = trainer.Trainer(config)
   assert resumed.step == 2
-  assert resumed.order.position == 2 * config.batch_size  # step 2's, not the rollout ahead's
+  assert resumed.rollouts.order.position == 2 * config.batch_size  # step 2's, not the rollout ahead's
   again = _record_collects(monkeypatch)
   resumed.run()
   assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]

@@ -105,10 +105,10 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
   shipped_prompt = config.rollout.system_prompt
   run = trainer.Trainer(shrink(config, **sizes))
   if shipped_prompt == system_prompts.RLVER:
-    assert run.rollout_cfg.system_prompt == system_prompts.policy_system_prompt(
+    assert run.rollouts.rollout_cfg.system_prompt == system_prompts.policy_system_prompt(
         config.sim_user.language, config.rollout.thinking)
   else:
-    assert run.rollout_cfg.system_prompt == shipped_prompt
+    assert run.rollouts.rollout_cfg.system_prompt == shipped_prompt
   run.run()
 
   # The recipes decode from the sampler's bf16 copy (the demo, fp32, from the training weights).
@@ -132,7 +132,7 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
     if run.config.rl.learner_logprobs_pass:  # the sampler-learner mismatch, every step
       assert 0 <= r["mismatch/abs_logp_diff_mean"] <= r["mismatch/abs_logp_diff_max"], r
   # batch_size counts profiles; each is sampled samples_per_profile times.
-  assert run.order.position == 2 * config.batch_size
+  assert run.rollouts.order.position == 2 * config.batch_size
   assert records[0]["agent_turns/generated"] >= (config.batch_size *
                                                  config.rollout.samples_per_profile)
   assert os.path.exists(os.path.join(config.workdir, "export", "config.json"))

@@ -1,5 +1,6 @@
 """The trainer end to end on the demo config (its learning: tests/rlver_jax/test_demo.py): resume
-after a kill, 8 devices; a dead simulator; metrics and config files across resumes."""
+after a kill, 8 devices; a dead simulator; metrics and config files across resumes. Its rooms
+on their own: test_checkpoints.py, test_simulator_guard.py, test_rollout_source.py."""
 
 import json
 import os
@@ -15,7 +16,7 @@ import pytest
 from configs import ppo, grpo
 from models.errors import UserInputError
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import run_config, trainer
+from rlver_jax import run_config, simulator_guard, trainer
 from sim_user import profiles as profiles_lib
 from tests import ROOT, processes
 from tests.runs import profiles_file, read_metrics, small_demo
@@ -129,7 +130,7 @@ def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, ser
   config.steps = steps
   run = trainer.Trainer(config)
   initial = np.asarray(jax.tree.leaves(run.models.policy.params)[0])
-  with pytest.raises(trainer.SimulatorFailing, match=why) as error:
+  with pytest.raises(simulator_guard.SimulatorFailing, match=why) as error:
     run.run()
   assert server.url in str(error.value) and "http_500" in str(error.value)
   printed = capsys.readouterr()
@@ -143,29 +144,6 @@ def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, ser
   assert not any(key in r for r in records for key in metrics_lib.CURVE_KEYS)
   np.testing.assert_array_equal(np.asarray(jax.tree.leaves(run.models.policy.params)[0]), initial)
   assert not (tmp_path / "run" / "export").exists()
-
-
-def test_simulator_guard_skips_mostly_failed_steps_and_stops_after_k_in_a_row():
-  guard = trainer.SimulatorFailureGuard(0.5, 2, "http://sim:8000/v1")
-  dialogues = lambda *failures: list(failures)  # each dialogue's failure reason or None
-  assert guard.trainable(1, dialogues(None, "a", "b", None))  # half failed: trained on
-  assert not guard.trainable(2, dialogues("c", "d", None))
-  guard.raise_if_down()  # one bad step: not yet
-  assert guard.trainable(3, dialogues(None))  # a good step resets the count
-  assert not guard.trainable(4, dialogues("e", "f", None))
-  guard.raise_if_down()
-  assert not guard.trainable(5, dialogues("g", "h"))
-  with pytest.raises(trainer.SimulatorFailing,
-                     match=r"http://sim:8000/v1 .* 2 steps in a row.*last failures: f; g; h"):
-    guard.raise_if_down()
-
-
-def test_checkpoints_are_due_by_steps_by_minutes_and_at_the_end():
-  due = lambda step, every, minutes, seconds: trainer.checkpoint_due(step, 100, every, minutes,
-                                                                      seconds)
-  assert [s for s in range(1, 11) if due(s, 4, 0, 0)] == [4, 8]
-  assert due(3, 0, 10, 600) and not due(3, 0, 10, 599) and not due(3, 0, 0, 10**6)
-  assert due(100, 0, 0, 0)
 
 
 def _tensorboard_points(workdir):
