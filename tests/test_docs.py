@@ -224,3 +224,14 @@ def test_every_link_between_the_docs_names_a_file_and_heading_there(doc):
       with open(target) as f:
         headings = [anchor(line.lstrip("#")) for line in f if line.startswith("#")]
       assert heading in headings, (doc, link)
+
+
+def test_the_readme_is_read_in_five_minutes_with_both_commands_first():
+  """At most 150 lines, and the two set-up commands (install and run the main job; install and
+  run the tests, as .ci/run runs them) in its first 40: the rest is in docs/."""
+  with open(os.path.join(ROOT, "README.md")) as f:
+    lines = f.read().splitlines()
+  assert len(lines) <= 150
+  first = "\n".join(lines[:40])
+  assert "pip install -e . && python -m rlver_jax.main\n" in first
+  assert 'pip install -e ".[test,tpu,gpu]" && python -m pytest -q -n 2' in first
