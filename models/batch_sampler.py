@@ -205,18 +205,19 @@ def generate_programs(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, r
   prefill, decode = batch_programs(graphdef, stop_token_ids, pad_id)
   scalar = lambda dtype: programs.replicated(mesh, (), dtype)
   key = programs.replicated(mesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)
-  work = {"rows": batch, "slots": capacity, "capacity": capacity}
   return {
       "prefill": programs.Program(
           prefill, (params, cache, on_rows((batch, chunk), jnp.int32),
                     on_rows((batch, chunk), jnp.bool_)), mesh, resident=params,
-          work={**work, "kind": "prefill_rows", "tokens": chunk}),
+          work=programs.PrefillRows(rows=batch, tokens=chunk, slots=capacity,
+                                    capacity=capacity)),
       "decode": programs.Program(
           decode, (params, cache, on_rows((batch, config.vocab_size), jnp.float32),
                    on_rows((batch,), jnp.bool_), on_rows((batch,), jnp.int32), key,
                    on_rows((batch,), jnp.int32), scalar(jnp.float32), scalar(jnp.float32)),
           mesh, {"max_new_tokens": sampling.max_new_tokens, **sampling.static()}, resident=params,
-          work={**work, "kind": "decode_rows", "tokens": sampling.max_new_tokens})}
+          work=programs.DecodeRows(rows=batch, tokens=sampling.max_new_tokens, slots=capacity,
+                                   capacity=capacity))}
 
 
 def _prefill(graphdef, state, cache, tokens_bt, mask_bt):

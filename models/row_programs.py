@@ -104,12 +104,12 @@ def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: R
   width = call.width
   index_k, rows_k = on_rows((width,), jnp.int32), on_rows((width,), jnp.int32)
   prefill, decode = row_programs(graphdef, stop_token_ids, pad_id)
-  work = {"kind": call.kind, "rows": width, "slots": call.slots, "capacity": call.capacity}
   if call.kind == "prefill_rows":
     args = (params, cache, logits_bv, index_k, rows_k, on_rows((width, call.chunk), jnp.int32),
             on_rows((width, call.chunk), jnp.bool_), on_rows((width,), jnp.bool_))
     return programs.Program(prefill, args, mesh, {"slots": call.slots}, resident=params,
-                            work={**work, "tokens": call.chunk})
+                            work=programs.PrefillRows(rows=width, tokens=call.chunk,
+                                                      slots=call.slots, capacity=call.capacity))
   scalar = lambda dtype: _placed(mesh, (), dtype, ())
   key_data_kd = on_rows((width,) + key_data_shape(), jnp.uint32)
   per_row = lambda: on_rows((width,), jnp.int32)  # budgets, row ids, offsets
@@ -117,7 +117,8 @@ def row_program(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, call: R
           per_row(), scalar(jnp.float32), scalar(jnp.float32), scalar(jnp.int32))
   static = {"steps": steps, "slots": call.slots, **decode_static}
   return programs.Program(decode, args, mesh, static, resident=params,
-                          work={**work, "tokens": steps})
+                          work=programs.DecodeRows(rows=width, tokens=steps, slots=call.slots,
+                                                   capacity=call.capacity))
 
 
 def empty_rows(config: qwen2.Qwen2Config, rows: int, capacity: int, cache_dtype,
@@ -133,13 +134,13 @@ def empty_rows_program(config: qwen2.Qwen2Config, mesh: Mesh | None, rows: int, 
   programs take them, as the sampler and the planner compile it."""
   fn = functools.partial(empty_rows, config, rows, capacity, cache_dtype, layers_as_list)
   if mesh is None:
-    return programs.Program(jax.jit(fn), (), mesh, work={"kind": "empty_rows"})
+    return programs.Program(jax.jit(fn), (), mesh, work=programs.EmptyRows())
   cache = abstract_cache(config, mesh, rows, capacity, cache_dtype, layers_as_list,
                          per_row=True)
   logits = programs.rows(mesh, (rows, config.vocab_size), jnp.float32)
   shardings = jax.tree.map(lambda x: x.sharding, (cache, logits))
   return programs.Program(jax.jit(fn, out_shardings=shardings), (), mesh,
-                          work={"kind": "empty_rows"})
+                          work=programs.EmptyRows())
 
 
 def key_data_shape() -> tuple[int, ...]:

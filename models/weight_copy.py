@@ -128,8 +128,9 @@ class WeightCopy:
     """The refresh from training weights `abstract_state` (the make with `made`) over the
     whole slice, as the planner compiles it; `resident`: what stays between steps."""
     args = (abstract_state,) if made else (self._every_group_abstract, abstract_state)
+    copy_bytes = programs.device_gib(self.abstract) * programs.GIB
     return programs.Program(self._make if made else self._move, args, self.meshes.train,
-                            resident=args, work={"kind": "copy_weights"})
+                            resident=args, work=programs.CopyWeights(copy_bytes))
 
 
 def sampler_copy(graphdef, state, dtype, layout: str, meshes: SliceMeshes | None,

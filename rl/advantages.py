@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.registry import Registry
 from rl import losses
 from rl.batch import TrainBatch
 
@@ -83,25 +84,9 @@ def grpo_advantages(scores, group_ids, normalize_std: bool = True, eps: float = 
 # An estimator: (batch, rl config) -> the batch with `advantages_bt` and `returns_bt` (host
 # numpy in, numpy out). verl's names and registry (`core_algos.register_adv_est`).
 AdvantageEstimator = Callable[[TrainBatch, losses.RLConfig], TrainBatch]
-ADV_ESTIMATORS: dict[str, AdvantageEstimator] = {}
-
-
-def register_adv_est(name: str) -> Callable[[AdvantageEstimator], AdvantageEstimator]:
-  """Registers an advantage estimator under `name` (verl's `register_adv_est`)."""
-  def register(fn: AdvantageEstimator) -> AdvantageEstimator:
-    if name in ADV_ESTIMATORS:
-      raise ValueError(f"advantage estimator {name!r} is registered twice")
-    ADV_ESTIMATORS[name] = fn
-    return fn
-  return register
-
-
-def get_adv_estimator_fn(name: str) -> AdvantageEstimator:
-  """The estimator registered as `name` (verl's `get_adv_estimator_fn`)."""
-  if name not in ADV_ESTIMATORS:
-    raise ValueError(f"unknown advantage estimator {name!r}; expected one of "
-                     f"{sorted(ADV_ESTIMATORS)}")
-  return ADV_ESTIMATORS[name]
+ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+register_adv_est = ADV_ESTIMATORS.register
+get_adv_estimator_fn = ADV_ESTIMATORS.lookup
 
 
 @register_adv_est("gae")

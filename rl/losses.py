@@ -1,35 +1,38 @@
 """PPO / GRPO losses over [B, T] token arrays (pure, jittable), as verl's core_algos.
 
 Every loss takes a 0/1 `mask` of the tokens it covers (the agent's own
-tokens) and an aggregation mode:
+tokens) and an aggregation mode (verl's `loss_agg_mode`):
   token-mean           sum(loss * mask) / (tokens with mask 1)
   seq-mean-token-sum   sum over sequences of sum(loss * mask) / (sequences with any token)
   seq-mean-token-mean  sum over sequences of the per-sequence token mean / (sequences with any)
 The denominators default to this batch's; with gradient accumulation a
 `Normaliser` passes the whole mini-batch's, so that the micro-batches' losses
 (and every metric here) add up to the mini-batch's, as verl's `agg_loss` does.
+
+The aggregation modes, the KL estimators and the policy losses are registries
+(`models.registry`): a variant registers itself under its config name next to
+its code, and `RLConfig.check` accepts exactly the registered names.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from models import config_section
+from models.registry import Registry
 
 TOKEN_MEAN = "token-mean"
 SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"
 SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
-AGGREGATIONS = (TOKEN_MEAN, SEQ_MEAN_TOKEN_SUM, SEQ_MEAN_TOKEN_MEAN)
 
 
 ALGORITHMS = ("ppo", "grpo")
 REWARDS = ("final", "turn")
-KL_ESTIMATORS = ("k1", "k2", "k3")
 OLD_LOGPROBS = ("sampler", "learner")
 ROLLOUT_CORRECTIONS = ("none", "token_tis")
 
@@ -52,9 +55,13 @@ class RLConfig(config_section.Section):
     value_clip: the critic's loss also clips its values to the rollout's +- this.
     entropy_coef: weight of the entropy bonus.
     kl_coef: weight of the KL to the initial policy; 0 (released): no reference pass.
-    kl_estimator: k1 | k2 | k3.
+    kl_estimator: k1 | k2 | k3 (`KL_ESTIMATORS`; verl accepts these names too, beside its
+      kl, mse and low_var_kl).
     kl_in_reward: the KL as a per-token reward penalty, not a loss term.
-    loss_agg: token-mean | seq-mean-token-sum | seq-mean-token-mean.
+    loss_agg: token-mean | seq-mean-token-sum | seq-mean-token-mean (`AGGREGATIONS`, verl's
+      loss_agg_mode).
+    policy_loss: vanilla, the clipped surrogate with dual clip (`POLICY_LOSSES`, verl's
+      policy_loss.loss_mode).
     reward: final (the last emotion) | turn (each reply's change; an ablation).
     old_logprobs: the PPO ratio's old log-probs: sampler (the sampler's own, drawn with the
       tokens; verl's bypass mode) | learner (one forward pass of the policy at the step's
@@ -84,6 +91,7 @@ class RLConfig(config_section.Section):
   kl_estimator: str = "k3"
   kl_in_reward: bool = False
   loss_agg: str = TOKEN_MEAN
+  policy_loss: str = "vanilla"
   reward: str = "final"
   old_logprobs: str = "sampler"
   log_mismatch: bool = True
@@ -132,6 +140,7 @@ class RLConfig(config_section.Section):
     p.one_of("reward", REWARDS)
     p.one_of("loss_agg", AGGREGATIONS)
     p.one_of("kl_estimator", KL_ESTIMATORS)
+    p.one_of("policy_loss", POLICY_LOSSES)
     p.one_of("old_logprobs", OLD_LOGPROBS)
     p.one_of("rollout_correction", ROLLOUT_CORRECTIONS)
     p.require("rollout_is_threshold", lambda v: v >= 1.0, "must be >= 1 (a weight of 1 is "
@@ -173,27 +182,57 @@ def normaliser(mask_bt) -> Normaliser:
                     sequences=np.float32(max((mask_bt.sum(axis=1) > 0).sum(), 1)))
 
 
-def aggregate(loss_bt, mask_bt, mode: str = TOKEN_MEAN, norm: Normaliser | None = None):
-  """[B, T] per-token losses -> scalar; `norm` (default: this batch's) gives the denominators."""
-  mask_bt = mask_bt.astype(jnp.float32)
-  tokens_b = jnp.sum(mask_bt, axis=1)
-  if mode == TOKEN_MEAN:
-    tokens = jnp.maximum(jnp.sum(tokens_b), 1.0) if norm is None else norm.tokens
-    return jnp.sum(loss_bt * mask_bt) / tokens
-  per_seq_b = jnp.sum(loss_bt * mask_bt, axis=1)
-  if mode == SEQ_MEAN_TOKEN_MEAN:
-    per_seq_b = per_seq_b / jnp.maximum(tokens_b, 1.0)
-  elif mode != SEQ_MEAN_TOKEN_SUM:
-    raise ValueError(f"unknown loss aggregation {mode!r}; expected one of {AGGREGATIONS}")
+# A mode: ([B, T] per-token losses, [B, T] float 0/1 mask, the denominators or None for this
+# batch's) -> the scalar loss. verl's `agg_loss` modes.
+Aggregation = Callable[[jax.Array, jax.Array, Normaliser | None], jax.Array]
+AGGREGATIONS: Registry[Aggregation] = Registry("loss aggregation")
+
+
+@AGGREGATIONS.register(TOKEN_MEAN)
+def _agg_token_mean(loss_bt, mask_bt, norm: Normaliser | None):
+  tokens = jnp.maximum(jnp.sum(mask_bt), 1.0) if norm is None else norm.tokens
+  return jnp.sum(loss_bt * mask_bt) / tokens
+
+
+def _sequence_mean(per_seq_b, tokens_b, norm: Normaliser | None):
+  """The mean of `per_seq_b` over the sequences with any loss token."""
   has_tokens_b = (tokens_b > 0).astype(jnp.float32)
   sequences = jnp.maximum(jnp.sum(has_tokens_b), 1.0) if norm is None else norm.sequences
   return jnp.sum(per_seq_b * has_tokens_b) / sequences
+
+
+@AGGREGATIONS.register(SEQ_MEAN_TOKEN_SUM)
+def _agg_seq_mean_token_sum(loss_bt, mask_bt, norm: Normaliser | None):
+  return _sequence_mean(jnp.sum(loss_bt * mask_bt, axis=1), jnp.sum(mask_bt, axis=1), norm)
+
+
+@AGGREGATIONS.register(SEQ_MEAN_TOKEN_MEAN)
+def _agg_seq_mean_token_mean(loss_bt, mask_bt, norm: Normaliser | None):
+  tokens_b = jnp.sum(mask_bt, axis=1)
+  per_seq_b = jnp.sum(loss_bt * mask_bt, axis=1) / jnp.maximum(tokens_b, 1.0)
+  return _sequence_mean(per_seq_b, tokens_b, norm)
+
+
+def aggregate(loss_bt, mask_bt, mode: str = TOKEN_MEAN, norm: Normaliser | None = None):
+  """[B, T] per-token losses -> scalar by the registered `mode`; `norm` (default: this
+  batch's) gives the denominators."""
+  return AGGREGATIONS.lookup(mode)(loss_bt, mask_bt.astype(jnp.float32), norm)
 
 
 def _token_mean(x_bt, mask_bt, norm: Normaliser | None):
   return aggregate(x_bt.astype(jnp.float32), mask_bt, TOKEN_MEAN, norm)
 
 
+# A policy loss: ([B, T] log-probs, old log-probs, advantages, loss mask, and keywords
+# clip_ratio, clip_ratio_high, dual_clip, agg, norm, is_weights as `policy_loss`'s) ->
+# (scalar loss, metrics). verl's registry and its names (`core_algos.register_policy_loss`).
+PolicyLoss = Callable[..., tuple[jax.Array, dict]]
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+register_policy_loss = POLICY_LOSSES.register
+get_policy_loss_fn = POLICY_LOSSES.lookup
+
+
+@register_policy_loss("vanilla")
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_ratio: float = 0.2,
                 clip_ratio_high: float | None = None, dual_clip: float | None = 3.0,
                 agg: str = TOKEN_MEAN, norm: Normaliser | None = None, is_weights=None):
@@ -258,22 +297,38 @@ def entropy_from_logits(logits):
   return log_z - jnp.sum(probs * logits, axis=-1)
 
 
-def kl_penalty(logprobs, ref_logprobs, estimator: str = "k3"):
-  """Per-token KL(policy || reference) estimates from sampled-token logprobs.
+# An estimator: the [B, T] log-ratio log p - log q of the sampled tokens -> [B, T] estimates
+# of KL(policy || reference). Our names are Schulman's k1, k2, k3, which verl accepts too,
+# beside its own: kl (k1), mse (k2), low_var_kl (k3). One name each, so that runs and sweeps
+# name an estimator one way.
+KLEstimator = Callable[[jax.Array], jax.Array]
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 
-  k1 = log p - log q; k2 = (log p - log q)^2 / 2; k3 = q/p - 1 - log(q/p)
-  (unbiased, always >= 0; as verl's "low_var_kl", its log-ratio is clamped to
-  +-LOG_RATIO_LIMIT and the estimate to [-10, 10]). [B, T] in, [B, T] out.
-  """
-  log_ratio = logprobs - ref_logprobs
-  if estimator == "k1":
-    return log_ratio
-  if estimator == "k2":
-    return 0.5 * log_ratio ** 2
-  if estimator == "k3":
-    log_ratio = jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # before exp, as verl
-    return jnp.clip(jnp.exp(-log_ratio) - 1.0 + log_ratio, -10.0, 10.0)
-  raise ValueError(f"unknown KL estimator {estimator!r}; expected k1, k2 or k3")
+
+@KL_ESTIMATORS.register("k1")
+def _kl_k1(log_ratio):
+  """log p - log q: unbiased, negative for some tokens."""
+  return log_ratio
+
+
+@KL_ESTIMATORS.register("k2")
+def _kl_k2(log_ratio):
+  """(log p - log q)^2 / 2: biased, low variance, always >= 0."""
+  return 0.5 * log_ratio ** 2
+
+
+@KL_ESTIMATORS.register("k3")
+def _kl_k3(log_ratio):
+  """q/p - 1 - log(q/p): unbiased, always >= 0; as verl's low_var_kl, its log-ratio is clamped
+  to +-LOG_RATIO_LIMIT before exp and the estimate to [-10, 10]."""
+  log_ratio = jnp.clip(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+  return jnp.clip(jnp.exp(-log_ratio) - 1.0 + log_ratio, -10.0, 10.0)
+
+
+def kl_penalty(logprobs, ref_logprobs, estimator: str = "k3"):
+  """Per-token KL(policy || reference) estimates from sampled-token logprobs by the registered
+  `estimator` (`KL_ESTIMATORS`). [B, T] in, [B, T] out."""
+  return KL_ESTIMATORS.lookup(estimator)(logprobs - ref_logprobs)
 
 
 def token_logprobs(logits_btv, tokens_bt, temperature: float = 1.0):

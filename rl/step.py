@@ -112,8 +112,7 @@ def update_programs(name: str, learner, shape: StepShape) -> dict[str, Program]:
   batch = abstract_batch(mesh, shape, targets=True)
   rate = jax.ShapeDtypeStruct((), jnp.float32, weak_type=True)
   resident = (params, opt)
-  work = {"kind": "update", "rows": shape.micro_batch, "tokens": shape.seq_len,
-          "model": name}
+  work = programs.Update(rows=shape.micro_batch, tokens=shape.seq_len, model=name)
   if shape.grad_accum == 1:
     return {f"{name}/update": Program(run.update, (params, opt, batch, _normaliser(mesh), rate),
                                       mesh, resident=resident, calls=shape.minibatches,
@@ -127,14 +126,14 @@ def update_programs(name: str, learner, shape: StepShape) -> dict[str, Program]:
       f"{name}/gradients": Program(run.gradients, (params, batch, _normaliser(mesh)), mesh,
                                    resident=params,
                                    calls=shape.minibatches * shape.grad_accum,
-                                   work={**work, "apply": False}),
+                                   work=dataclasses.replace(work, apply=False)),
       # Both gradient sums live only within the step: nothing of its arguments is resident.
       f"{name}/accumulate_gradients": Program(run.accumulate_gradients, (grads, grads), mesh,
                                               calls=shape.minibatches * (shape.grad_accum - 1),
-                                              work={"kind": "accumulate", "model": name}),
+                                              work=programs.AccumulateGradients(name)),
       f"{name}/apply_gradients": Program(run.apply_gradients, (params, opt, grads, loss, rate),
                                          mesh, resident=resident, calls=shape.minibatches,
-                                         work={"kind": "apply", "model": name}),
+                                         work=programs.ApplyGradients(name)),
   }
 
 
@@ -305,24 +304,25 @@ class AlgorithmStep:
     policy, critic, reference = self.policy, self.critic, self.reference
     inputs = lambda model: abstract_batch(model.mesh, shape, targets=False)
     passes = shape.minibatches * shape.grad_accum  # micro-batches of the value and ref passes
+    pass_work = lambda model: programs.Forward(rows=shape.micro_batch, tokens=shape.seq_len,
+                                               model=model)
     out = {}
     if self.loss_cfg.learner_logprobs_pass:
       out["policy/logprobs"] = Program(
           policy.forward(forward.sequence_logprobs, temperature=self.config.temperature),
           (policy.params, inputs(policy)), policy.mesh, resident=policy.params, calls=passes,
-          work={"kind": "forward", "rows": shape.micro_batch, "tokens": shape.seq_len})
+          work=pass_work("policy"))
     if critic is not None:
       out["critic/values"] = Program(
           critic.forward(forward.critic_values), (critic.params, inputs(critic)), critic.mesh,
           resident=critic.params, calls=passes,
-          work={"kind": "forward", "rows": shape.micro_batch, "tokens": shape.seq_len,
-                "model": "critic"})
+          work=pass_work("critic"))
     if reference is not None:
       out["reference/logprobs"] = Program(
           reference.forward(forward.sequence_logprobs, temperature=self.config.temperature),
           (reference.params, inputs(reference)), reference.mesh, resident=reference.params,
           calls=passes,
-          work={"kind": "forward", "rows": shape.micro_batch, "tokens": shape.seq_len})
+          work=pass_work("reference"))
     out.update(update_programs("policy", policy, shape))
     if critic is not None:
       out.update(update_programs("critic", critic, shape))

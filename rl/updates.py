@@ -31,8 +31,9 @@ host_metrics.declare({name: host_metrics.MEAN for name in UPDATE_METRICS})
 
 def policy_loss(graphdef, cfg: RLConfig, params, batch: TrainBatch,
                 norm: losses.Normaliser | None, *, temperature: float = 1.0):
-  """Clipped surrogate - entropy bonus (+ KL) of a [B, T] batch; (loss, metrics). The policy's
-  log-probs are those of softmax(logits / `temperature`), the sampler's temperature."""
+  """The registered `cfg.policy_loss` - entropy bonus (+ KL) of a [B, T] batch; (loss,
+  metrics). The policy's log-probs are those of softmax(logits / `temperature`), the
+  sampler's temperature."""
   mask = batch.loss_mask_bt
   logprobs, entropy_bt = forward.token_logprobs_and_entropy(graphdef, params, batch,
                                                             temperature)
@@ -43,7 +44,7 @@ def policy_loss(graphdef, cfg: RLConfig, params, batch: TrainBatch,
     # log-probs make the ratio exactly 1 there, as verl's on-policy `old = log_prob.detach()`.
     old_logprobs = jnp.where(batch.old_is_own_b[:, None], jax.lax.stop_gradient(logprobs),
                              old_logprobs)
-  pg_loss, metrics = losses.policy_loss(
+  pg_loss, metrics = losses.get_policy_loss_fn(cfg.policy_loss)(
       logprobs, old_logprobs, batch.advantages_bt, mask, clip_ratio=cfg.clip_ratio,
       clip_ratio_high=cfg.clip_ratio_high, dual_clip=cfg.dual_clip, agg=cfg.loss_agg, norm=norm,
       is_weights=batch.is_weights_bt)

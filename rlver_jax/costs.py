@@ -7,19 +7,22 @@ The FLOP counts here are checked against XLA's on programs without loops
 (`tests/rlver_jax/test_costs.py`); bytes are estimates of the dominant traffic.
 
 Every figure is per chip for one call of a program (`models.programs.Program`,
-whose `work` names what it computes). Time is a roofline: the largest of
-FLOPs / peak, HBM bytes / HBM bandwidth and ICI bytes / ICI bandwidth, as if
-the three overlapped perfectly; real programs are slower. These are
-cost-model estimates from the compiler's shapes, not measurements.
+whose `work` says what it computes; `COST_FNS` holds one cost function per work
+type). Time is a roofline: the largest of FLOPs / peak, HBM bytes / HBM
+bandwidth and ICI bytes / ICI bandwidth, as if the three overlapped perfectly;
+real programs are slower. These are cost-model estimates from the compiler's
+shapes, not measurements.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import numpy as np
 
-from models import qwen2
+from models import programs, qwen2
+from models.registry import Registry
 from models.topology import Generation
 
 # Activation traffic of one layer, bytes per token per model-width element (read + write
@@ -160,39 +163,83 @@ def copy_cost(config, layout: Layout, copy_bytes: float, from_bytes: int) -> Cos
   return Cost(0.0, read + copy_bytes, copy_bytes)
 
 
-def program_cost(work: dict, config, layout: Layout, *, compute_bytes: int, param_bytes: int,
-                 sampling_bytes: int, cache_bytes: int, remat: str,
-                 causal_half: bool = True) -> Cost:
-  """The cost of one call of a program from its `work` description; `causal_half`: the
-  uncached passes' attention skips the masked half (splash, blockwise), else it computes
-  every score (einsum)."""
-  kind = work["kind"]
-  value = work.get("model") == "critic"
-  if kind == "forward":
-    return forward_cost(config, layout, work["rows"], work["tokens"], compute_bytes, value,
-                        causal_half)
-  if kind == "update":
-    return update_cost(config, layout, work["rows"], work["tokens"], compute_bytes,
-                       param_bytes, remat, value, apply=work.get("apply", True),
-                       causal_half=causal_half)
-  if kind == "apply":
-    return apply_cost(config, layout, param_bytes, value)
-  if kind == "accumulate":
-    return accumulate_cost(config, layout, param_bytes, value)
-  if kind == "copy_weights":
-    return copy_cost(config, layout, work["copy_bytes"], param_bytes)
-  if kind in ("empty_rows", "group_broadcast"):
-    # Zeroing a rollout's cache once, and a leader's announcement of a few hundred words:
-    # microseconds next to the row programs they come with; not estimated.
-    return Cost()
-  if kind == "prefill_rows":
-    return cached_pass_cost(config, layout, work["rows"], work["tokens"], work["slots"],
-                            sampling_bytes, cache_bytes)
-  if kind == "decode_rows":
-    step = cached_pass_cost(config, layout, work["rows"], 1, work["slots"], sampling_bytes,
-                            cache_bytes)
-    return step.scaled(work["tokens"])
-  raise ValueError(f"no cost model for program kind {kind!r}")
+@dataclasses.dataclass(frozen=True)
+class CostArgs:
+  """What every cost function may read beside its work: the bytes per element of the
+  compute dtype, the parameters, the sampler's weights and its cache, the remat policy, and
+  whether the uncached passes' attention skips the masked half (splash, blockwise) or
+  computes every score (einsum)."""
+  compute_bytes: int
+  param_bytes: int
+  sampling_bytes: int
+  cache_bytes: int
+  remat: str
+  causal_half: bool = True
+
+
+# A work type's cost function: (its work, the model config, the layout, CostArgs) -> Cost.
+CostFn = Callable[[programs.Work, qwen2.Qwen2Config, Layout, CostArgs], Cost]
+COST_FNS: Registry[CostFn] = Registry("program work type")
+
+
+def _value_model(work) -> bool:
+  return work.model == "critic"
+
+
+@COST_FNS.register(programs.Forward)
+def _forward(work: programs.Forward, config, layout: Layout, args: CostArgs) -> Cost:
+  return forward_cost(config, layout, work.rows, work.tokens, args.compute_bytes,
+                      _value_model(work), args.causal_half)
+
+
+@COST_FNS.register(programs.Update)
+def _update(work: programs.Update, config, layout: Layout, args: CostArgs) -> Cost:
+  return update_cost(config, layout, work.rows, work.tokens, args.compute_bytes,
+                     args.param_bytes, args.remat, _value_model(work), apply=work.apply,
+                     causal_half=args.causal_half)
+
+
+@COST_FNS.register(programs.ApplyGradients)
+def _apply(work: programs.ApplyGradients, config, layout: Layout, args: CostArgs) -> Cost:
+  return apply_cost(config, layout, args.param_bytes, _value_model(work))
+
+
+@COST_FNS.register(programs.AccumulateGradients)
+def _accumulate(work: programs.AccumulateGradients, config, layout: Layout,
+                args: CostArgs) -> Cost:
+  return accumulate_cost(config, layout, args.param_bytes, _value_model(work))
+
+
+@COST_FNS.register(programs.CopyWeights)
+def _copy(work: programs.CopyWeights, config, layout: Layout, args: CostArgs) -> Cost:
+  return copy_cost(config, layout, work.copy_bytes, args.param_bytes)
+
+
+@COST_FNS.register(programs.EmptyRows)
+@COST_FNS.register(programs.GroupBroadcast)
+def _not_estimated(work, config, layout: Layout, args: CostArgs) -> Cost:
+  """Zeroing a rollout's cache once, and a leader's announcement of a few hundred words:
+  microseconds next to the row programs they come with."""
+  del work, config, layout, args
+  return Cost()
+
+
+@COST_FNS.register(programs.PrefillRows)
+def _prefill_rows(work: programs.PrefillRows, config, layout: Layout, args: CostArgs) -> Cost:
+  return cached_pass_cost(config, layout, work.rows, work.tokens, work.slots,
+                          args.sampling_bytes, args.cache_bytes)
+
+
+@COST_FNS.register(programs.DecodeRows)
+def _decode_rows(work: programs.DecodeRows, config, layout: Layout, args: CostArgs) -> Cost:
+  step = cached_pass_cost(config, layout, work.rows, 1, work.slots, args.sampling_bytes,
+                          args.cache_bytes)
+  return step.scaled(work.tokens)
+
+
+def program_cost(work: programs.Work, config, layout: Layout, args: CostArgs) -> Cost:
+  """The cost of one call of a program from its `work`, by its type's cost function."""
+  return COST_FNS.lookup(type(work))(work, config, layout, args)
 
 
 def model_flops_per_token(config, value_model: bool = False) -> float:

@@ -361,9 +361,8 @@ class _Planner:
       group_mesh, weights, resident_copy = meshes.train, params, ()
       as_list, decode_graphdef = weight_copy.layers_as_list(layout, group_mesh), graphdef
     else:
-      movement = copy.program(params, made=self.run.rollout.release_sampler_weights)
-      listed["sampler/copy_weights"] = dataclasses.replace(movement, work={
-          **movement.work, "copy_bytes": programs.device_gib(copy.abstract) * GIB})
+      listed["sampler/copy_weights"] = copy.program(
+          params, made=self.run.rollout.release_sampler_weights)
       phases["sampler/copy_weights"] = UPDATE
       group_mesh = partitioning.make_mesh(dict(meshes.sampler_mesh.shape),
                                           self.group_devices(hosts_per_group))
@@ -393,7 +392,7 @@ class _Planner:
                                        sharding=group_channel.rows_sharding(group_mesh))
         listed[f"sampler/group_broadcast[n={words}]"] = Program(
             group_channel.broadcast_program(group_mesh), (message,), group_mesh, calls=0.0,
-            work={"kind": "group_broadcast"})
+            work=programs.GroupBroadcast())
     phases.update({name: ROLLOUT for name in listed if name not in phases})
     return SamplerPlan(listed, phases, len(calls), group_mesh, resident_copy)
 
@@ -415,7 +414,7 @@ class _Planner:
                                              spec.simulator_sampling, jnp.bfloat16)
     # Two calls (emotion analysis, then the reply) per user turn, for every dialogue.
     calls = 2 * spec.simulator_turns * -(-spec.dialogues // self.hosts // rows)
-    return {f"sim_user/{name}[b={p.work['rows']},t={p.work['tokens']},c={p.work['capacity']}]":
+    return {f"sim_user/{name}[b={p.work.rows},t={p.work.tokens},c={p.work.capacity}]":
             dataclasses.replace(p, calls=calls) for name, p in listed.items()}, weights
 
 
@@ -432,7 +431,7 @@ class _Compiler:
   """Compiles programs once each (a name may recur between group sizes), recording what
   every compile costs and the names of the jitted functions it compiled (`functions`)."""
 
-  def __init__(self, spec: PlanSpec, chip, cost_args: dict):
+  def __init__(self, spec: PlanSpec, chip, cost_args: costs.CostArgs):
     self.spec, self.chip, self.cost_args = spec, chip, cost_args
     self.done = {}
 
@@ -443,8 +442,9 @@ class _Compiler:
         out = compile_program(program)
       out["functions"] = sorted(functions)
       cost = costs.program_cost(program.work, self.spec.model,
-                                _layout(program.mesh, weights_fsdp_sharded), **self.cost_args)
-      out.update(calls=program.calls, work=program.work, chips=program.mesh.devices.size,
+                                _layout(program.mesh, weights_fsdp_sharded), self.cost_args)
+      out.update(calls=program.calls, work=programs.work_as_dict(program.work),
+                 chips=program.mesh.devices.size,
                  **costs.cost_as_dict(cost, self.chip))
       self.done[key] = out
     return self.done[key]
@@ -526,10 +526,10 @@ def plan(spec: PlanSpec, devices=None, chip: topology.Generation | None = None,
   resident = planner.resident()
   with partitioning.mesh_context(mesh):  # the uncached passes' attention on these devices
     uncached = attention.resolve(spec.attention, spec.seq_len, spec.seq_len, cached=False)
-  cost_args = dict(compute_bytes=dtype_bytes(spec.dtype), param_bytes=dtype_bytes(
-      spec.param_dtype), sampling_bytes=dtype_bytes(spec.sampling_dtype or spec.param_dtype),
-                   cache_bytes=dtype_bytes(spec.dtype), remat=spec.remat,
-                   causal_half=uncached != "einsum")
+  cost_args = costs.CostArgs(
+      compute_bytes=dtype_bytes(spec.dtype), param_bytes=dtype_bytes(spec.param_dtype),
+      sampling_bytes=dtype_bytes(spec.sampling_dtype or spec.param_dtype),
+      cache_bytes=dtype_bytes(spec.dtype), remat=spec.remat, causal_half=uncached != "einsum")
   compile_one = _Compiler(spec, chip, cost_args)
   compiled, phases = {}, {}
   for name, program in planner.learner_programs().items():
@@ -660,7 +660,7 @@ def _step_estimate(spec: PlanSpec, planner: _Planner, compiled: dict,
   if spec.critic:
     model_flops += tokens * costs.model_flops_per_token(spec.model, value_model=True)
   decode = [p for name, p in compiled.items()
-            if name.startswith("sampler/") and p["work"]["kind"] == "decode_rows"]
+            if name.startswith("sampler/") and p["work"]["kind"] == programs.DecodeRows.kind]
   out = {"step_s": rollout + learn, "rollout_s": rollout, "learner_s": learn,
          "update_mfu": model_flops / max(update, 1e-12) / (
              chip.peak_tflops * 1e12 * planner.mesh.devices.size),
@@ -683,7 +683,7 @@ def _compare_layouts(planner: _Planner, hosts_per_group: int, compile_one: _Comp
   for layout in partitioning.SAMPLING_LAYOUTS:
     sampler = planner.sampler_plan(hosts_per_group, layout, "bounding")
     (name, program), = [(n, p) for n, p in sampler.programs.items()
-                        if p.work["kind"] == "decode_rows"]
+                        if isinstance(p.work, programs.DecodeRows)]
     decode = compile_one((hosts_per_group, layout, name), name, program, layout == "train")
     copy_gib = programs.device_gib(sampler.copy)
     rollout = resident_gib + copy_gib + decode["extra_gib"]

@@ -116,6 +116,30 @@ def test_each_algorithm_takes_its_estimator_from_the_registry(monkeypatch):
   assert np.all(advantages.compute_advantages(batch, RLConfig()).advantages_bt == 7.0)
 
 
+def test_the_losses_take_their_variants_and_the_config_its_names_from_the_registries(
+    monkeypatch):
+  # verl's names for the modes and the policy loss; Schulman's (which verl accepts) for KL.
+  assert list(losses.AGGREGATIONS) == ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"]
+  assert list(losses.KL_ESTIMATORS) == ["k1", "k2", "k3"]
+  assert losses.get_policy_loss_fn("vanilla") is losses.policy_loss
+  assert RLConfig(kl_estimator="low_var_kl", policy_loss="gspo").problems() == [
+      "kl_estimator='low_var_kl': expected one of ('k1', 'k2', 'k3')",
+      "policy_loss='gspo': expected one of ('vanilla',)"]
+  with pytest.raises(ValueError, match=r"unknown loss aggregation 'sum'; expected one of "
+                     r"\['token-mean', 'seq-mean-token-sum', 'seq-mean-token-mean'\]"):
+    rl.aggregate(np.ones((1, 2)), np.ones((1, 2)), "sum")
+  with pytest.raises(ValueError, match="policy loss 'vanilla' is registered twice"):
+    losses.register_policy_loss("vanilla")(losses.policy_loss)
+  # A variant a peer registers is one the config accepts and the losses run.
+  monkeypatch.setitem(losses.KL_ESTIMATORS, "abs", abs)
+  monkeypatch.setitem(losses.AGGREGATIONS, "sum", lambda loss_bt, mask_bt, norm: (
+      (loss_bt * mask_bt).sum()))
+  assert RLConfig(kl_estimator="abs", loss_agg="sum").problems() == []
+  logp, ref = np.array([[-1.0, -2.0]]), np.array([[-1.5, -1.0]])
+  np.testing.assert_allclose(rl.kl_penalty(logp, ref, "abs"), [[0.5, 1.0]])
+  assert float(rl.aggregate(logp, np.array([[1, 0]]), "sum")) == -1.0
+
+
 def test_gae_advantages_are_whitened():
   samples = [_sample(5, 1.0, 0), _sample(3, 0.0, 1)]
   batch = batch_lib.collate(samples)

@@ -6,10 +6,12 @@ step. On such programs the compiler's count is the truth the model must meet.
 """
 
 import dataclasses
+import typing
 
 import jax
 import pytest
 
+from models import programs as model_programs
 from models import qwen2
 from models.topology import GENERATIONS
 from rlver_jax import costs, plan
@@ -31,22 +33,46 @@ def test_analytic_flops_match_xlas_count_on_loop_free_programs():
   programs = planner.learner_programs()
   programs.update(planner.sampler_plan(1, "train", "bounding").programs)
   layout = costs.Layout(1, 1, 1)
+  args = costs.CostArgs(compute_bytes=4, param_bytes=4, sampling_bytes=4, cache_bytes=4,
+                        remat="none", causal_half=False)  # einsum attends to every key
   checked = set()
   for name, program in programs.items():
-    if program.work["kind"] == "copy_weights":
+    if isinstance(program.work, model_programs.CopyWeights):
       continue  # a cast: no FLOPs to speak of
-    if program.work["kind"] == "decode_rows":  # one step of the decode loop
+    if isinstance(program.work, model_programs.DecodeRows):  # one step of the decode loop
       program = dataclasses.replace(program, static={**program.static, "steps": 1},
-                                    work={**program.work, "tokens": 1})
+                                    work=dataclasses.replace(program.work, tokens=1))
     xla = plan.compile_program(program)["xla_flops_loop_bodies_once"]
-    model = costs.program_cost(program.work, MODEL, layout, compute_bytes=4, param_bytes=4,
-                               sampling_bytes=4, cache_bytes=4, remat="none",
-                               causal_half=False).flops  # einsum attends to every key
+    model = costs.program_cost(program.work, MODEL, layout, args).flops
     # Sampling's random bits and softmaxes over the vocabulary are not modelled.
-    tolerance = 0.12 if program.work["kind"] == "decode_rows" else 0.05
+    tolerance = 0.12 if isinstance(program.work, model_programs.DecodeRows) else 0.05
     assert model == pytest.approx(xla, rel=tolerance), (name, model, xla)
-    checked.add(program.work["kind"])
-  assert checked == {"forward", "update", "prefill_rows", "decode_rows", "empty_rows"}
+    checked.add(type(program.work))
+  assert checked == {model_programs.Forward, model_programs.Update, model_programs.PrefillRows,
+                     model_programs.DecodeRows, model_programs.EmptyRows}
+
+
+def test_every_work_type_has_a_cost_function_and_an_unknown_one_is_named():
+  assert set(costs.COST_FNS) == set(typing.get_args(model_programs.Work))
+  args = costs.CostArgs(compute_bytes=2, param_bytes=4, sampling_bytes=2, cache_bytes=2,
+                        remat="full")
+  layout = costs.Layout(1, 4, 1)
+  # The critic's passes have a value head, not the LM head.
+  policy, critic = (costs.program_cost(model_programs.Forward(rows=8, tokens=64, model=m),
+                                       MODEL, layout, args) for m in ("policy", "critic"))
+  assert policy.flops - critic.flops == pytest.approx(
+      2 * 8 * 64 * (MODEL.vocab_size - 1) * MODEL.hidden_size / layout.chips)
+  decode = model_programs.DecodeRows(rows=4, tokens=32, slots=256, capacity=512)
+  assert costs.program_cost(decode, MODEL, layout, args) == costs.cached_pass_cost(
+      MODEL, layout, 4, 1, 256, 2, 2).scaled(32)
+
+  @dataclasses.dataclass(frozen=True)
+  class Unmodelled:
+    kind = "unmodelled"
+
+  with pytest.raises(ValueError, match=r"unknown program work type 'Unmodelled'; expected one "
+                     r"of \['Forward', "):
+    costs.program_cost(Unmodelled(), MODEL, layout, args)
 
 
 def test_full_remat_recomputes_one_forward_pass_and_mfu_counts_none():
