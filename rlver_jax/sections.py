@@ -5,7 +5,7 @@ room that uses a section defines it (`rl.losses.RLConfig`,
 `rl.rollout_config.RolloutConfig`, `sim_user.config.SimUserConfig`), and this
 module defines the wiring's own (mesh, policy, optimizer, checkpoints,
 evaluation, retention) and assembles them into `TrainRun`, `EvalRun` and
-`RetentionRun`. The files in `configs/` are ml-collections configs built from
+`RetentionRun`, each a `RunBase` (workdir, seed, compilation cache, mesh). The files in `configs/` are ml-collections configs built from
 these defaults (`config_dict`), overriding only what a recipe changes; an
 entry point reads one back as its typed run (`train_run`, `eval_run`,
 `retention_run`), which checks every section at start-up and names each field
@@ -195,24 +195,42 @@ def _check_system_prompt(p: Problems, field: str, setting: str, language: str) -
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainRun(Section):
+class RunBase(Section):
+  """What every run has: where it writes, its seed, its compilation cache and its mesh.
+
+  Attributes:
+    workdir: where the run writes (W): training its checkpoints, metrics and dialogues,
+      evaluation its records (both resume from them), retention its answers and scores.
+    seed: every random draw: the policy's sampling (none at temperature 0), a flax
+      simulator's, and in training the profile order and the tiny policy's initialisation.
+    compile_cache_dir: compiled programs are kept here for the next run (on a pod: a path
+      every host reads); "": off.
+    mesh: the device mesh (evaluation and retention: each host runs its own share on its
+      devices).
+  """
+  workdir: str = ""
+  seed: int = 0
+  compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)
+  mesh: MeshConfig = MeshConfig()
+
+  def check(self, p: Problems) -> None:
+    p.given("workdir", "--config.workdir=DIR")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRun(RunBase):
   """A training run (`python -m rlver_jax.main`): the PPO recipe's settings by default.
 
   `batch_size` counts profiles per step, as verl's batch size counts prompts: a
   step runs batch_size x rollout.samples_per_profile dialogues.
 
   Attributes:
-    workdir: where the run writes checkpoints, metrics and dialogues (W); resumes from it.
-    seed: profile order, sampling draws, the tiny policy's initialisation.
     steps: training steps (each: rollout, then updates).
     batch_size: profiles per step; dialogues = batch_size x rollout.samples_per_profile.
     log_every: steps between progress lines in the log.
     log_dialogues_every: steps between whole dialogues in W/dialogues.jsonl (0: never).
     max_skipped_updates: non-finite steps tolerated before the run stops.
     resume_mismatch_ok: resume even though the config differs from W/config.json.
-    compile_cache_dir: compiled programs are kept here for the next run (on a pod: a path
-      every host reads); "": off.
-    mesh: the device mesh.
     policy: the policy trained.
     critic: PPO's value model.
     data: the training profiles.
@@ -222,16 +240,12 @@ class TrainRun(Section):
     optim: the optimizers and the updates' schedule.
     checkpoint: when the run saves, and what it keeps.
   """
-  workdir: str = ""
-  seed: int = 0
   steps: int = 1000
   batch_size: int = 32
   log_every: int = 1
   log_dialogues_every: int = 20
   max_skipped_updates: int = 10
   resume_mismatch_ok: bool = False
-  compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)
-  mesh: MeshConfig = MeshConfig()
   policy: PolicyConfig = PolicyConfig()
   critic: CriticConfig = CriticConfig()
   data: DataConfig = DataConfig()
@@ -242,7 +256,7 @@ class TrainRun(Section):
   checkpoint: CheckpointConfig = CheckpointConfig()
 
   def check(self, p: Problems) -> None:
-    p.given("workdir", "--config.workdir=DIR")
+    super().check(p)
     if self.policy.tiny_init and self.policy.checkpoint:
       p.add(f"policy.checkpoint={self.policy.checkpoint!r} with policy.tiny_init=True (the "
             "demo's own tiny policy): pass --config.policy.tiny_init=False to train that "
@@ -333,31 +347,22 @@ class InferencePolicyConfig(PolicyConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalRun(Section):
+class EvalRun(RunBase):
   """A Sentient Benchmark evaluation (`python -m rlver_jax.eval`), SAGE's rules.
 
   Attributes:
-    workdir: where the results are written (W).
-    seed: random draws: the policy's sampling (none at temperature 0), a flax simulator's.
-    compile_cache_dir: compiled programs are kept here for the next run (on a pod: a path
-      every host reads); "": off.
     resume_mismatch_ok: resume W/results.jsonl even though the config differs.
-    mesh: the device mesh (each host runs its own dialogues on its devices).
     policy: the policy evaluated.
     sim_user: the simulated user, under the benchmark's rules.
     eval: the benchmark's profiles and the policy's decoding.
   """
-  workdir: str = ""
-  seed: int = 0
-  compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)
   resume_mismatch_ok: bool = False
-  mesh: MeshConfig = MeshConfig()
   policy: InferencePolicyConfig = InferencePolicyConfig()
   sim_user: SimUserConfig = SimUserConfig(rules="sage_benchmark", on_failure="end_failed")
   eval: EvalConfig = EvalConfig()
 
   def check(self, p: Problems) -> None:
-    p.given("workdir", "--config.workdir=DIR")
+    super().check(p)
     p.nested(self.policy, "policy").given("checkpoint", "--config.policy.checkpoint=DIR")
     _check_system_prompt(p, "eval.system_prompt", self.eval.system_prompt,
                          self.sim_user.language)
@@ -418,28 +423,19 @@ class RetentionPolicyConfig(InferencePolicyConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class RetentionRun(Section):
+class RetentionRun(RunBase):
   """A capability-retention run (`python -m rlver_jax.retention`): math or instruction
   following.
 
   Attributes:
-    workdir: where the results are written (W).
-    seed: random draws: the policy's sampling (none at temperature 0).
-    compile_cache_dir: compiled programs are kept here for the next run (on a pod: a path
-      every host reads); "": off.
-    mesh: the device mesh (each host answers its share of the items).
     policy: the policy scored.
     retention: the task, its data and the policy's decoding.
   """
-  workdir: str = ""
-  seed: int = 0
-  compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)
-  mesh: MeshConfig = MeshConfig()
   policy: RetentionPolicyConfig = RetentionPolicyConfig()
   retention: RetentionConfig = RetentionConfig()
 
   def check(self, p: Problems) -> None:
-    p.given("workdir", "--config.workdir=DIR")
+    super().check(p)
     p.nested(self.policy, "policy").given("checkpoint", "--config.policy.checkpoint=DIR")
 
 
