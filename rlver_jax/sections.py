@@ -2,9 +2,9 @@
 
 A run's config is a tree of typed sections (`models/config_section.py`): the
 room that uses a section defines it (`rl.losses.RLConfig`,
-`rl.rollout_config.RolloutConfig`, `sim_user.config.SimUserConfig`), and this
-module defines the wiring's own (mesh, policy, optimizer, checkpoints,
-evaluation, retention) and assembles them into `TrainRun`, `EvalRun` and
+`rl.rollout_config.RolloutConfig`, `rl.learner.OptimConfig`,
+`sim_user.config.SimUserConfig`), and this module defines the wiring's own (mesh,
+policy, checkpoints, evaluation, retention) and assembles them into `TrainRun`, `EvalRun` and
 `RetentionRun`, each a `RunBase` (workdir, seed, compilation cache, mesh). The files in `configs/` are ml-collections configs built from
 these defaults (`config_dict`), overriding only what a recipe changes; an
 entry point reads one back as its typed run (`train_run`, `eval_run`,
@@ -26,11 +26,11 @@ import ml_collections
 from models.config_section import Problems, Section, at_least, positive, share
 from models.errors import UserInputError
 from rl import system_prompts
+from rl.learner import OptimConfig
 from rl.losses import RLConfig
 from rl.rollout_config import RolloutConfig, check_sampling
 from sim_user.config import SimUserConfig
 
-LR_SCHEDULES = ("constant", "cosine")
 RETENTION_TASKS = ("math", "ifeval")  # rlver_jax/retention.py scores each
 
 
@@ -127,41 +127,6 @@ class TrainSimUserConfig(SimUserConfig):
     p.require("max_failed_share", share, "must be a share in [0, 1]")
     p.require("max_failed_steps_in_a_row", at_least(1), "must be >= 1")
     p.require("min_trained_share", share, "must be a share in [0, 1]")
-
-
-@dataclasses.dataclass(frozen=True)
-class OptimConfig(Section):
-  """The `optim` section: AdamW for the policy and the critic, and the updates' schedule.
-
-  Attributes:
-    actor_lr: the policy's learning rate (AdamW).
-    critic_lr: the critic's learning rate (PPO).
-    warmup_steps: steps of linear learning-rate warm-up from 0.
-    schedule: after warm-up: constant | cosine (decays to 0 at `steps`).
-    weight_decay: AdamW weight decay.
-    grad_clip: global gradient norm clip.
-    ppo_epochs: passes over a step's batch.
-    num_minibatches: updates per pass (the batch split in this many).
-    grad_accum: micro-batches accumulated per update (memory, not maths).
-  """
-  actor_lr: float = 1e-6
-  critic_lr: float = 5e-6
-  warmup_steps: int = 50
-  schedule: str = "constant"
-  weight_decay: float = 0.01
-  grad_clip: float = 1.0
-  ppo_epochs: int = 1
-  num_minibatches: int = 1
-  grad_accum: int = 1
-
-  def check(self, p: Problems) -> None:
-    p.require("actor_lr", positive, "must be > 0")
-    p.one_of("schedule", LR_SCHEDULES)
-    p.require("warmup_steps", at_least(0), "must be >= 0")
-    p.require("grad_clip", positive, "must be > 0")
-    p.require("ppo_epochs", at_least(1), "must be >= 1")
-    p.require("num_minibatches", at_least(1), "must be >= 1")
-    p.require("grad_accum", at_least(1), "must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
