@@ -46,15 +46,13 @@ def train_rollout_config(config) -> RolloutConfig:
 
 
 def eval_rollout_config(config) -> RolloutConfig:
-  """The `eval` section's decoding as a rollout: one dialogue per profile, no token budget,
-  the benchmark's settings."""
+  """A rollout that decodes as the `eval` section (its system prompt resolved to the text):
+  one dialogue per profile, no token budget."""
   e = config.eval
-  return RolloutConfig(
-      samples_per_profile=1,
+  return RolloutConfig.decoding_as(
+      e, samples_per_profile=1, max_dialogue_tokens=10**9,
       system_prompt=_system_prompt(e.system_prompt, "eval.system_prompt",
-                                   config.sim_user.language, e.thinking),
-      thinking=e.thinking, max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9,
-      temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, engine=e.engine)
+                                   config.sim_user.language, e.thinking))
 
 
 def simulated_user(config, mesh: Mesh | None) -> SimulatedUser:

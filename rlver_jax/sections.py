@@ -28,7 +28,7 @@ from models.errors import UserInputError
 from rl import system_prompts
 from rl.learner import OptimConfig
 from rl.losses import RLConfig
-from rl.rollout_config import RolloutConfig, check_sampling
+from rl.rollout_config import DecodingConfig, RolloutConfig
 from sim_user.config import SimUserConfig
 
 RETENTION_TASKS = ("math", "ifeval")  # rlver_jax/retention.py scores each
@@ -259,8 +259,9 @@ class TrainRun(RunBase):
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig(Section):
-  """The `eval` section: the Sentient Benchmark's dialogues and how the policy decodes them.
+class EvalConfig(DecodingConfig):
+  """The `eval` section: the Sentient Benchmark's dialogues and how the policy decodes them
+  (the `DecodingConfig` fields, greedy by default).
 
   Attributes:
     profiles: the profiles: RLVER's test_profile.jsonl (100, with first_talk).
@@ -269,28 +270,16 @@ class EvalConfig(Section):
     batch_size: dialogues run side by side.
     limit: the first N profiles only (0: all).
     min_scored_share: fewer profiles scored (the rest failed in the simulator): error.
-    thinking: the policy reasons in <think>...</think> before each reply.
-    system_prompt: the policy's system prompt: a preset of rl/system_prompts.py ("rlver": the
-      paper's prompt for eval.thinking and sim_user.language; "sage": SAGE's prompt for
-      tested models) or the prompt itself.
     max_new_tokens: the policy's tokens per reply; thinking: the training budget.
     temperature: 0, greedy: the score does not depend on a seed.
-    top_p: nucleus sampling (1: off).
-    top_k: top-k sampling (0: off).
-    engine: continuous (rl/engine.py) | lockstep (rl/lockstep.py).
   """
   profiles: str = ""
   baseline_checkpoint: str = ""
   batch_size: int = 16
   limit: int = 0
   min_scored_share: float = 0.9
-  thinking: bool = False
-  system_prompt: str = "rlver"
   max_new_tokens: int = 1024
   temperature: float = 0.0
-  top_p: float = 1.0
-  top_k: int = 0
-  engine: str = "continuous"
 
   def check(self, p: Problems) -> None:
     p.given("profiles", "--config.eval.profiles=FILE.jsonl (RLVER's test_profile.jsonl for "
@@ -298,7 +287,7 @@ class EvalConfig(Section):
     p.require("batch_size", at_least(1), "must be >= 1")
     p.require("limit", at_least(0), "must be >= 0 (0: every profile)")
     p.require("min_scored_share", share, "must be a share in [0, 1]")
-    check_sampling(p, greedy_ok=True)
+    super().check(p)
 
 
 @dataclasses.dataclass(frozen=True)
