@@ -65,8 +65,8 @@ def sampled(model, sampling_dtype, count: int, reply_tokens: int) -> list[Sample
   # No stop token (one past the vocabulary): every reply is reply_tokens long.
   sampler = Sampler(model, stop_token_ids=[model.config.vocab_size], sampling_dtype=sampling_dtype)
   prompts = [[1000 + 8 * i + j for j in range(8)] for i in range(count)]
-  out = sampler.generate(prompts, SamplingParams(max_new_tokens=reply_tokens, temperature=1.0),
-                         jax.random.key(0))
+  out = sampler.batch.generate(
+      prompts, SamplingParams(max_new_tokens=reply_tokens, temperature=1.0), jax.random.key(0))
   return [Sample(tokens=prompt + list(tokens), loss_mask=[0] * len(prompt) + [1] * len(tokens),
                  logprobs=[0.0] * len(prompt) + list(logprobs), reward=float(i % 2),
                  group=i // 2, dialogue=i)

@@ -47,6 +47,8 @@ import numpy as np
 from absl import app, flags, logging
 
 from models import pretrained
+from models.batch_sampler import BatchSampler
+from models.row_sampler import RowSampler
 from models.sampler import Sampler
 from rl import rollout as rollout_lib
 from rl.rollout_config import RolloutConfig
@@ -90,13 +92,12 @@ def recorded_reply_lengths(sage_dir: str, chars_per_token: float, cap: int) -> l
   return lengths
 
 
-class ScheduledSampler(Sampler):
-  """A sampler whose replies end after scheduled lengths: row r's t-th reply after
-  schedule[r][t] tokens. Rows are the bench's dialogues (row id = dialogue index)."""
+class Schedule:
+  """Reply lengths: row r's t-th reply ends after lengths[r][t] tokens. Rows are the bench's
+  dialogues (row id = dialogue index)."""
 
-  def __init__(self, model, schedule, **kwargs):
-    super().__init__(model, **kwargs)
-    self.schedule = schedule
+  def __init__(self, lengths):
+    self.lengths = lengths
     self.turns = collections.Counter()  # replies started per row
     self.target = {}  # row -> length of its reply in progress (continuous engine)
 
@@ -104,23 +105,49 @@ class ScheduledSampler(Sampler):
     self.turns.clear()
     self.target.clear()
 
-  def _next_length(self, row: int) -> int:
-    length = self.schedule[row][self.turns[row]]
+  def next_length(self, row: int) -> int:
+    length = self.lengths[row][self.turns[row]]
     self.turns[row] += 1
     return length
 
+
+class ScheduledBatch(BatchSampler):
+  """The batch engine, each reply cut at its scheduled length."""
+
+  def __init__(self, weights, schedule: Schedule, **kwargs):
+    super().__init__(weights, **kwargs)
+    self.schedule = schedule
+
   def extend(self, convs, new_tokens, params, key=None, budgets=None):
     return super().extend(convs, new_tokens, params, key,
-                          budgets=[self._next_length(r) for r in convs.row_ids])
+                          budgets=[self.schedule.next_length(r) for r in convs.row_ids])
+
+
+class ScheduledRows(RowSampler):
+  """The row engine, each reply cut at its scheduled length."""
+
+  def __init__(self, weights, schedule: Schedule, **kwargs):
+    super().__init__(weights, **kwargs)
+    self.schedule = schedule
 
   def prefill_rows(self, rb, rows, new_tokens, **kwargs):
     for r in rows:
-      self.target[r] = self._next_length(r)
+      self.schedule.target[r] = self.schedule.next_length(r)
     return super().prefill_rows(rb, rows, new_tokens, **kwargs)
 
   def decode_rows(self, rb, rows, budgets, params, keys, row_ids, offsets, **kwargs):
-    budgets = [min(b, self.target[r] - offset) for r, b, offset in zip(rows, budgets, offsets)]
+    target = self.schedule.target
+    budgets = [min(b, target[r] - offset) for r, b, offset in zip(rows, budgets, offsets)]
     return super().decode_rows(rb, rows, budgets, params, keys, row_ids, offsets, **kwargs)
+
+
+def scheduled_sampler(model, schedule: Schedule, *, decode_chunk_steps: int,
+                      **weights_kwargs) -> Sampler:
+  """A sampler whose engines both cut each reply at its scheduled length."""
+  sampler = Sampler(model, **weights_kwargs)  # its own engines compiled nothing yet
+  sampler.batch = ScheduledBatch(sampler.weights, schedule)
+  sampler.rows = ScheduledRows(sampler.weights, schedule, decode_chunk_steps=decode_chunk_steps)
+  return sampler
 
 
 class LatencyServer(FaultyServer):
@@ -172,7 +199,7 @@ def bench_profiles(n: int) -> list[profiles.Profile]:
           for k in range(n)]
 
 
-def run_engine(engine: str, sampler: ScheduledSampler, formatter, server_url: str,
+def run_engine(engine: str, sampler: Sampler, schedule: Schedule, formatter, server_url: str,
                profile_list, config, clock: CompileClock) -> tuple[rollout_lib.Rollout, dict]:
   """The engine's timed rollout, after an untimed one; and what each compiled."""
   rules = dynamics.with_max_agent_turns(dynamics.SAGE_BENCHMARK, _TURNS.value)
@@ -183,7 +210,7 @@ def run_engine(engine: str, sampler: ScheduledSampler, formatter, server_url: st
     backend = OpenAIChatBackend(server_url, "fake", api_key_env="BENCH_NO_KEY",
                                 max_concurrency=len(profile_list), timeout_s=120.0)
     user = SimulatedUser(backend, rules, prompts)
-    sampler.reset()
+    schedule.reset()
     clock.reset()
     rollout = rollout_lib.collect(sampler, formatter, user, profile_list, config,
                                   jax.random.key(0))
@@ -198,14 +225,15 @@ def main(argv):
   del argv
   lengths = recorded_reply_lengths(_SAGE_DIR.value, _CHARS_PER_TOKEN.value, _MAX_NEW_TOKENS.value)
   rng = np.random.default_rng(_SEED.value)
-  schedule = rng.choice(lengths, size=(_DIALOGUES.value, _TURNS.value + 1)).tolist()
+  schedule = Schedule(rng.choice(lengths, size=(_DIALOGUES.value, _TURNS.value + 1)).tolist())
   with tempfile.TemporaryDirectory() as checkpoint:
     tiny.write_checkpoint(checkpoint, seed=_SEED.value, hidden_size=_HIDDEN.value,
                           num_layers=_LAYERS.value, intermediate_size=2 * _HIDDEN.value)
     policy = pretrained.load_policy(checkpoint)
-  sampler = ScheduledSampler(policy.model, schedule, stop_token_ids=policy.sampler.stop_token_ids,
-                             pad_id=policy.sampler.pad_id, decode_chunk_steps=_CHUNK.value,
-                             sampling_dtype=_SAMPLING_DTYPE.value or None)
+  sampler = scheduled_sampler(policy.model, schedule, decode_chunk_steps=_CHUNK.value,
+                              stop_token_ids=policy.sampler.weights.stop_token_ids,
+                              pad_id=policy.sampler.weights.pad_id,
+                              sampling_dtype=_SAMPLING_DTYPE.value or None)
   server = LatencyServer([], latency_s=lognormal_latency(_LATENCY_MEDIAN.value,
                                                          _LATENCY_P95.value))
   threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -216,8 +244,8 @@ def main(argv):
   profile_list = bench_profiles(_DIALOGUES.value)
   clock = CompileClock()
   try:
-    runs = {engine: run_engine(engine, sampler, policy.formatter, server.url, profile_list,
-                               config, clock)
+    runs = {engine: run_engine(engine, sampler, schedule, policy.formatter, server.url,
+                               profile_list, config, clock)
             for engine in ("lockstep", "continuous")}
   finally:
     server.stopping.set()

@@ -105,7 +105,7 @@ def run_ours(path, prompts, unreachable_stop):
   sampler = Sampler(model, stop_token_ids=[unreachable_stop], sampling_dtype="float32")
 
   def generate(n):
-    out = sampler.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))
+    out = sampler.batch.generate(prompts, SamplingParams(max_new_tokens=n, temperature=0.0))
     assert all(length == n for length in out.lengths)
     return out.tokens
 
@@ -118,13 +118,13 @@ def run_rows(sampler, prompts):
 
   def generate(n):
     rows = list(range(len(prompts)))
-    rb = sampler.start_rows(len(prompts))
-    sampler.prefill_rows(rb, rows, prompts)
+    rb = sampler.rows.start_rows(len(prompts))
+    sampler.rows.prefill_rows(rb, rows, prompts)
     tokens = [[] for _ in rows]
     while len(tokens[0]) < n:
-      chunk = sampler.decode_rows(rb, rows, [n - len(t) for t in tokens], SamplingParams(
+      chunk = sampler.rows.decode_rows(rb, rows, [n - len(t) for t in tokens], SamplingParams(
           max_new_tokens=n, temperature=0.0), keys=None, row_ids=rows,
-                                  offsets=[len(t) for t in tokens])
+                                       offsets=[len(t) for t in tokens])
       for t, new in zip(tokens, chunk.tokens):
         t.extend(new)
     return tokens
@@ -204,10 +204,10 @@ def multi_turn(sampler: Sampler, prompts, turns, turn_tokens, vocab) -> dict:
   params = SamplingParams(max_new_tokens=turn_tokens, temperature=0.0)
 
   def with_reuse():
-    convs = sampler.start(len(prompts))
-    replies = [sampler.extend(convs, prompts, params).tokens]
+    convs = sampler.batch.start(len(prompts))
+    replies = [sampler.batch.extend(convs, prompts, params).tokens]
     for user in user_turns:
-      replies.append(sampler.extend(convs, user, params).tokens)
+      replies.append(sampler.batch.extend(convs, user, params).tokens)
     return replies
 
   def with_reprefill():
@@ -216,7 +216,7 @@ def multi_turn(sampler: Sampler, prompts, turns, turn_tokens, vocab) -> dict:
     for turn in range(turns):
       if turn:
         histories = [h + u for h, u in zip(histories, user_turns[turn - 1])]
-      out = sampler.generate(histories, params).tokens
+      out = sampler.batch.generate(histories, params).tokens
       histories = [h + r for h, r in zip(histories, out)]
       replies.append(out)
     return replies

@@ -34,7 +34,7 @@ from jax.sharding import Mesh
 
 from models import partitioning, programs, qwen2
 from models.qwen2 import KVCache
-from models.sampler_base import SamplerBase, abstract_cache, decode_loop
+from models.sampler_weights import SamplerWeights, abstract_cache, decode_loop
 from models.sampling import (LENGTH, MIN_CACHE_BUCKET, MIN_CHUNK_BUCKET, STOP, Completions,
                              SamplingParams, bucket_size, sampler_fn)
 
@@ -60,20 +60,19 @@ class Conversations:
     return self.cache.max_len
 
 
-class BatchSampler(SamplerBase):
-  """Samples batches of dialogues in lockstep (`start`, `select`, `extend`, `generate`)."""
+class BatchSampler:
+  """Samples batches of dialogues in lockstep (`start`, `select`, `extend`, `generate`) from
+  `weights`."""
 
-  def __init__(self, model: qwen2.Qwen2, *, min_chunk_bucket: int = MIN_CHUNK_BUCKET,
-               **kwargs):
-    """`min_chunk_bucket`: the fewest tokens a new chunk is padded to; `kwargs` go to
-    `SamplerBase`."""
-    super().__init__(model, **kwargs)
+  def __init__(self, weights: SamplerWeights, *, min_chunk_bucket: int = MIN_CHUNK_BUCKET):
+    """`min_chunk_bucket`: the fewest tokens a new chunk is padded to."""
+    self.weights = weights
     self.min_chunk_bucket = min_chunk_bucket
-    self._prefill, self._decode = batch_programs(self.graphdef, self.stop_token_ids,
-                                                 self.pad_id)
+    self._prefill, self._decode = batch_programs(weights.graphdef, weights.stop_token_ids,
+                                                 weights.pad_id)
 
   def _batch_bucket(self, num_rows: int) -> int:
-    return math.lcm(bucket_size(num_rows), self.data_parallel_size())
+    return math.lcm(bucket_size(num_rows), self.weights.data_parallel_size())
 
   def start(self, num_rows: int, capacity: int = 0,
             row_ids: Sequence[int] | None = None) -> Conversations:
@@ -86,10 +85,12 @@ class BatchSampler(SamplerBase):
     row_ids = list(range(num_rows) if row_ids is None else row_ids)
     if len(row_ids) != num_rows:
       raise ValueError(f"{len(row_ids)} row ids for {num_rows} rows")
+    weights = self.weights
     batch = self._batch_bucket(num_rows)
-    slots = bucket_size(capacity, self.min_cache_bucket)
-    cache = KVCache.init(self.config, batch, slots, self.cache_dtype, self.cache_layers_as_list)
-    return Conversations(cache=self._place_cache(cache), row_ids=row_ids,
+    slots = bucket_size(capacity, weights.min_cache_bucket)
+    cache = KVCache.init(weights.config, batch, slots, weights.cache_dtype,
+                         weights.cache_layers_as_list)
+    return Conversations(cache=weights.place_cache(cache), row_ids=row_ids,
                          reply_ended=[True] * num_rows)
 
   def select(self, convs: Conversations, rows: Sequence[int]) -> None:
@@ -104,7 +105,7 @@ class BatchSampler(SamplerBase):
     cache = convs.cache.map_kv(lambda x: x[..., index, :, :, :])
     cache = cache.replace(kv_positions_bs=cache.kv_positions_bs[index])
     # Filler rows duplicate a real row; they are marked done and never read.
-    convs.cache = self._place_cache(cache)
+    convs.cache = self.weights.place_cache(cache)
     convs.row_ids = [convs.row_ids[r] for r in rows]
     convs.reply_ended = [convs.reply_ended[r] for r in rows]
 
@@ -126,12 +127,13 @@ class BatchSampler(SamplerBase):
     for row, tokens in enumerate(new_tokens):
       if not tokens:
         raise ValueError(f"row {row}: no new tokens; every row needs at least one")
+    weights = self.weights
     chunk = bucket_size(max(len(t) for t in new_tokens), self.min_chunk_bucket)
     needed = int(convs.cache.length) + chunk + params.max_new_tokens
-    convs.cache = self._grown(convs.cache, needed)
+    convs.cache = weights.grown(convs.cache, needed)
 
     batch = convs.batch_size
-    tokens_bt = np.full((batch, chunk), self.pad_id, np.int32)
+    tokens_bt = np.full((batch, chunk), weights.pad_id, np.int32)
     mask_bt = np.zeros((batch, chunk), np.bool_)
     for row, tokens in enumerate(new_tokens):
       tokens_bt[row, chunk - len(tokens):] = tokens
@@ -144,13 +146,13 @@ class BatchSampler(SamplerBase):
     row_ids_b[:convs.num_rows] = convs.row_ids
 
     start = time.perf_counter()
-    with partitioning.mesh_context(self.mesh):
+    with partitioning.mesh_context(weights.mesh):
       logits_bv, convs.cache = self._prefill(
-          self.state, convs.cache, self._put(tokens_bt, ("batch", None)),
-          self._put(mask_bt, ("batch", None)))
+          weights.state, convs.cache, weights.put(tokens_bt, ("batch", None)),
+          weights.put(mask_bt, ("batch", None)))
       out_tokens, out_logprobs, lengths, stopped, held, convs.cache = self._decode(
-          self.state, convs.cache, logits_bv, self._put(done_b, ("batch",)),
-          self._put(budget_b, ("batch",)), key, self._put(row_ids_b, ("batch",)),
+          weights.state, convs.cache, logits_bv, weights.put(done_b, ("batch",)),
+          weights.put(budget_b, ("batch",)), key, weights.put(row_ids_b, ("batch",)),
           jnp.float32(params.temperature or 1.0),
           jnp.float32(params.top_p), max_new_tokens=params.max_new_tokens,
           **params.static())
@@ -158,7 +160,7 @@ class BatchSampler(SamplerBase):
     out_tokens, out_logprobs, lengths, stopped, held = jax.device_get(
         (out_tokens, out_logprobs, lengths, stopped, held))
     rows = range(convs.num_rows)
-    self.stats.add(time.perf_counter() - start, batch, int(max(lengths[r] for r in rows)),
+    weights.stats.add(time.perf_counter() - start, batch, int(max(lengths[r] for r in rows)),
                    int(sum(lengths[r] for r in rows)), int(held), batch * convs.capacity)
     convs.reply_ended = [bool(stopped[r]) for r in rows]
     return Completions(

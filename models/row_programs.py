@@ -23,7 +23,7 @@ from jax.sharding import Mesh, PartitionSpec
 
 from models import partitioning, programs, qwen2
 from models.qwen2 import KV_CACHE_AXES, KVCache
-from models.sampler_base import abstract_cache, decode_loop
+from models.sampler_weights import abstract_cache, decode_loop
 from models.sampling import MIN_CACHE_BUCKET, ladder, sampler_fn
 
 DECODE_CHUNK_STEPS = 32  # steps of one `decode_rows` call, by default
@@ -205,7 +205,8 @@ def _gather_rows(cache: KVCache, logits_bv, index_k, rows_k, slots: int):
   k, v, kv_positions_bs, row_logits_kv = _on_each_shard(
       take_local, (cache.k, cache.v, cache.kv_positions_bs, logits_bv, index_k),
       _ROW_ARRAYS_BATCH_DIMS + (-1,), _ROW_ARRAYS_BATCH_DIMS)
-  # Per-row lengths are whole on every device (`Sampler` places them so): taken by global id.
+  # Per-row lengths are whole on every device (`SamplerWeights.place_cache` places them
+  # so): taken by global id.
   length = jnp.take(cache.length, rows_k, mode="clip")
   return KVCache(k=k, v=v, kv_positions_bs=kv_positions_bs, length=length), row_logits_kv
 

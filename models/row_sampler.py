@@ -35,12 +35,14 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from models import group_channel, partitioning, qwen2, row_programs
+from models import group_channel, partitioning, row_programs
 from models.qwen2 import KVCache
 from models.row_programs import (DECODE_CHUNK_STEPS, PREFILL_CHUNK, RowCall,
                                  attended_slot_levels, key_data_shape, row_program, row_widths)
-from models.sampler_base import SamplerBase
+from models.sampler_weights import SamplerWeights
 from models.sampling import MIN_CACHE_BUCKET, SamplingParams, bucket_size
+
+
 @dataclasses.dataclass
 class RowBatch:
   """Device state of dialogue rows handled one at a time (see `RowSampler.prefill_rows`).
@@ -132,21 +134,21 @@ class RowChunk:
   width: int  # rows it decoded, padding included
 
 
-class RowSampler(SamplerBase):
+class RowSampler:
   """Samples dialogues one row at a time (`start_rows`, `prefill_rows`, `decode_rows`,
-  `compile_rows`).
+  `compile_rows`) from `weights`.
 
-  In a sampler group of several hosts (`self.group`), the leader calls these and every
+  In a sampler group of several hosts (`weights.group`), the leader calls these and every
   other host `follow`s: each of the leader's device programs (the empty rows, a cache grown,
   a prefill or decode chunk) is announced with its host inputs first, and the followers
   dispatch it alike (`models/group_channel.py`). `leading()` brackets a leader's rollout.
   """
 
-  def __init__(self, model: qwen2.Qwen2, *, decode_chunk_steps: int = DECODE_CHUNK_STEPS,
-               prefill_chunk: int = PREFILL_CHUNK, **kwargs):
+  def __init__(self, weights: SamplerWeights, *, decode_chunk_steps: int = DECODE_CHUNK_STEPS,
+               prefill_chunk: int = PREFILL_CHUNK):
     """`decode_chunk_steps`: the most steps one `decode_rows` call runs; `prefill_chunk`: the
-    tokens one prefill call feeds a row; `kwargs` go to `SamplerBase`."""
-    super().__init__(model, **kwargs)
+    tokens one prefill call feeds a row."""
+    self.weights = weights
     self.decode_chunk_steps = decode_chunk_steps
     self.prefill_chunk = prefill_chunk
     self.row_capacity = 0  # the largest capacity a RowBatch has had (see `start_rows`)
@@ -164,14 +166,14 @@ class RowSampler(SamplerBase):
     finally:
       if self._leads():
         with group_channel.signals_held():
-          self.group.send([_END])
+          self.weights.group.send([_END])
 
   def follow(self) -> None:
     """A follower's rollout: dispatches the leader's row programs, as the leader announces
     them, until it ends (`leading`)."""
     rb = None
     while True:
-      fields, payload = self.group.receive()
+      fields, payload = self.weights.group.receive()
       op = int(fields[0])
       if op == _END:
         return
@@ -188,7 +190,8 @@ class RowSampler(SamplerBase):
         self._dispatch(rb, call, static, _unpack(payload, _input_layout(call)))
 
   def _leads(self) -> bool:
-    return self.group is not None and self.group.is_leader
+    group = self.weights.group
+    return group is not None and group.is_leader
 
   @contextlib.contextmanager
   def _announced(self, header, payload=None):
@@ -198,7 +201,7 @@ class RowSampler(SamplerBase):
       yield
       return
     with group_channel.signals_held():
-      self.group.send(header, payload)
+      self.weights.group.send(header, payload)
       yield
 
   # Rows.
@@ -211,20 +214,22 @@ class RowSampler(SamplerBase):
     set of row programs (`row_program_set`). A row that outgrows the capacity
     grows the cache and compiles the set for the new capacity (logged).
     """
-    shards = self.data_parallel_size()
+    min_cache_bucket = self.weights.min_cache_bucket
+    shards = self.weights.data_parallel_size()
     batch = math.lcm(num_rows, shards)
-    self.row_capacity = max(self.row_capacity, bucket_size(capacity, self.min_cache_bucket))
+    self.row_capacity = max(self.row_capacity, bucket_size(capacity, min_cache_bucket))
     with self._announced([_START, num_rows, capacity]):
       cache, logits_bv = self._empty_rows(batch, self.row_capacity)()
     return RowBatch(cache=cache, logits_bv=logits_bv, lengths=np.zeros(batch, np.int64),
-                    num_rows=num_rows, shards=shards, min_slots=self.min_cache_bucket)
+                    num_rows=num_rows, shards=shards, min_slots=min_cache_bucket)
 
   def _empty_rows(self, batch: int, capacity: int):
     """One jitted program making an empty row cache and logits, placed where they live."""
     if (batch, capacity) not in self._empty_rows_programs:
+      weights = self.weights
       self._empty_rows_programs[batch, capacity] = row_programs.empty_rows_program(
-          self.config, self.mesh, batch, capacity, self.cache_dtype,
-          self.cache_layers_as_list).fn
+          weights.config, weights.mesh, batch, capacity, weights.cache_dtype,
+          weights.cache_layers_as_list).fn
     return self._empty_rows_programs[batch, capacity]
 
   def _fit(self, rb: RowBatch, needed: int) -> None:
@@ -232,7 +237,7 @@ class RowSampler(SamplerBase):
     if needed <= rb.capacity:
       return
     with self._announced([_GROW, needed]):
-      rb.cache = self._grown(rb.cache, needed)
+      rb.cache = self.weights.grown(rb.cache, needed)
     self.row_capacity = max(self.row_capacity, rb.capacity)
     logging.warning("a dialogue needs %d cache slots: the row cache grew to %d, and its row "
                     "programs compile again for that capacity", needed, rb.capacity)
@@ -266,12 +271,13 @@ class RowSampler(SamplerBase):
     """The compiled program of `call` (compiled now if it is not yet)."""
     key = self._row_key(rb, call, decode_static)
     if key not in self._row_executables:
-      weights = (self.weight_copy.abstract if self.weight_copy is not None
-                 else _abstract_like(self.state, self.mesh))
-      with partitioning.mesh_context(self.mesh):
-        program = row_program(self.graphdef, weights, self.config, self.mesh, call,
-                              rb.batch_size, self.cache_dtype, self.cache_layers_as_list,
-                              decode_static, self.stop_token_ids, self.pad_id,
+      weights = self.weights
+      abstract = (weights.weight_copy.abstract if weights.weight_copy is not None
+                  else _abstract_like(weights.state, weights.mesh))
+      with partitioning.mesh_context(weights.mesh):
+        program = row_program(weights.graphdef, abstract, weights.config, weights.mesh, call,
+                              rb.batch_size, weights.cache_dtype, weights.cache_layers_as_list,
+                              decode_static, weights.stop_token_ids, weights.pad_id,
                               self.decode_chunk_steps)
         self._row_executables[key] = program.fn.lower(*program.args, **program.static).compile()
     return self._row_executables[key]
@@ -284,9 +290,10 @@ class RowSampler(SamplerBase):
               call.slots, call.chunk, *_static_fields(decode_static)]
     program = self._row_executable(rb, call, decode_static)
     logical = [(("batch",) + (None,) * (np.ndim(x) - 1)) if np.ndim(x) else () for x in inputs]
-    with self._announced(header, _pack(inputs)), partitioning.mesh_context(self.mesh):
-      out = program(self.state, rb.cache, rb.logits_bv,
-                    *(self._put(x, axes) for x, axes in zip(inputs, logical)))
+    weights = self.weights
+    with self._announced(header, _pack(inputs)), partitioning.mesh_context(weights.mesh):
+      out = program(weights.state, rb.cache, rb.logits_bv,
+                    *(weights.put(x, axes) for x, axes in zip(inputs, logical)))
     if call.kind == "prefill_rows":
       rb.cache, rb.logits_bv = out
       return None
@@ -313,7 +320,7 @@ class RowSampler(SamplerBase):
                      new_tokens: Sequence[Sequence[int]], restart: bool) -> None:
     index, global_index, slot_of_row = rb.call_index(rows)
     call = RowCall("prefill_rows", len(index), rb.capacity, rb.capacity, self.prefill_chunk)
-    tokens_kt = np.full((len(index), call.chunk), self.pad_id, np.int32)
+    tokens_kt = np.full((len(index), call.chunk), self.weights.pad_id, np.int32)
     mask_kt = np.zeros((len(index), call.chunk), np.bool_)
     for k, tokens in zip(slot_of_row, new_tokens):
       tokens_kt[k, :len(tokens)] = tokens  # right-padded: the row's tokens stay contiguous
@@ -322,7 +329,7 @@ class RowSampler(SamplerBase):
     start = time.perf_counter()
     self._dispatch(rb, call, {}, [index, global_index, tokens_kt, mask_kt, restart_k])
     jax.block_until_ready(rb.logits_bv)
-    self.stats.seconds += time.perf_counter() - start
+    self.weights.stats.seconds += time.perf_counter() - start
     for r, tokens in zip(rows, new_tokens):
       rb.lengths[r] += len(tokens)
 
@@ -375,7 +382,7 @@ class RowSampler(SamplerBase):
     finished = [bool(stopped) or count >= budget
                 for stopped, count, budget in zip(stopped_k, counts_k, budgets)]
     rb.lengths[list(rows)] += counts_k
-    self.stats.add(time.perf_counter() - start, width, int(steps_run), int(counts_k.sum()),
+    self.weights.stats.add(time.perf_counter() - start, width, int(steps_run), int(counts_k.sum()),
                    int(rb.lengths[list(rows)].sum()), width * call.slots)
     return RowChunk(tokens=[t[:count].tolist() for t, count in zip(tokens_kn, counts_k)],
                     logprobs=[lp[:count].tolist() for lp, count in zip(logprobs_kn, counts_k)],

@@ -159,12 +159,12 @@ class CachedDialogues(Agent):
 
   def act(self, dialogues, live, key):
     if self._convs is None:
-      self._convs = self.sampler.start(len(live), row_ids=[self.row_ids[i] for i in live])
+      self._convs = self.sampler.batch.start(len(live), row_ids=[self.row_ids[i] for i in live])
     elif list(live) != self._rows:  # finished dialogues leave the cache
-      self.sampler.select(self._convs, [self._rows.index(i) for i in live])
+      self.sampler.batch.select(self._convs, [self._rows.index(i) for i in live])
     self._rows = list(live)
     feeds = [self.next_tokens(dialogues[i], i) for i in live]
-    out = self.sampler.extend(self._convs, feeds, self.sampling, key)
+    out = self.sampler.batch.extend(self._convs, feeds, self.sampling, key)
     return [self.record(dialogues[i], i, feed, tokens, logprobs, ended) for i, feed, tokens,
             logprobs, ended in zip(live, feeds, out.tokens, out.logprobs, out.ended)]
 
@@ -218,7 +218,7 @@ class ThinkingTurns(Agent):
 
   def act(self, dialogues, live, key):
     prompts = [self.next_tokens(dialogues[i], i) for i in live]
-    out = self.sampler.generate(prompts, self.sampling, key,
+    out = self.sampler.batch.generate(prompts, self.sampling, key,
                                 row_ids=[self.row_ids[i] for i in live])
     return [self.record(dialogues[i], i, prompt, tokens, logprobs, ended) for i, prompt, tokens,
             logprobs, ended in zip(live, prompts, out.tokens, out.logprobs, out.ended)]

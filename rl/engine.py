@@ -1,6 +1,6 @@
 """Continuous batching across turns: the rollout engine that keeps the decoding batch full.
 
-Every dialogue owns one row of a per-row-length KV cache (`Sampler.start_rows`)
+Every dialogue owns one row of a per-row-length KV cache (`RowSampler.start_rows`)
 and moves through: ready (its next tokens are known) -> decoding (prefilled,
 its reply in progress) -> with the simulator -> ready again, or done. The host
 loop, between jitted decode chunks:
@@ -16,7 +16,7 @@ loop, between jitted decode chunks:
 
 The rows start with room for a whole dialogue (`row_capacity`) and the
 engine compiles the sampler's fixed set of row programs for them before the
-first prefill (`Sampler.compile_rows`), so no order of simulator answers
+first prefill (`RowSampler.compile_rows`), so no order of simulator answers
 needs a program not compiled yet.
 
 A dialogue with the simulator keeps its cache and costs no decode work. With
@@ -88,7 +88,7 @@ def rows_to_decode(decoding: Iterable[int], shard: Callable[[int], int], shards:
   """The rows one decode chunk takes from `decoding` (longest-waiting first), in that order.
 
   A row call decodes the same number of rows on each of the `shards` data
-  shards (`Sampler.decode_rows`), so the chunk takes q rows of every shard
+  shards (`RowSampler.decode_rows`), so the chunk takes q rows of every shard
   (`shard(row)`): the largest call width per shard (`widths`, `RowBatch.widths`)
   that every shard fills, so no row is padding; when no width is filled (some
   shard has none decoding, or fewer rows decode than the narrowest width), the
@@ -187,9 +187,9 @@ class _Engine:
     feeds = [self.agent.next_tokens(self.dialogues[i], i) for i in rows]
     if self.rows is None:
       capacity = row_capacity(self.config, max(len(feed) for feed in feeds))
-      self.rows = self.sampler.start_rows(len(self.dialogues), capacity)
-      self.sampler.compile_rows(self.rows, self.agent.sampling)
-    self.sampler.prefill_rows(self.rows, rows, feeds, restart=self.agent.restarts_rows)
+      self.rows = self.sampler.rows.start_rows(len(self.dialogues), capacity)
+      self.sampler.rows.compile_rows(self.rows, self.agent.sampling)
+    self.sampler.rows.prefill_rows(self.rows, rows, feeds, restart=self.agent.restarts_rows)
     for i, feed in zip(rows, feeds):
       self.replies[i] = (feed, [], [])
       self.decoding.append(i)
@@ -201,7 +201,7 @@ class _Engine:
     self.decoding = collections.deque(i for i in self.decoding if i not in taken)
     drawn = [len(self.replies[i][1]) for i in chosen]
     greedy = agent.sampling.temperature == 0
-    chunk = sampler.decode_rows(
+    chunk = sampler.rows.decode_rows(
         self.rows, chosen, [agent.sampling.max_new_tokens - n for n in drawn], agent.sampling,
         keys=None if greedy else [self.turn_key(self.turns[i]) for i in chosen],
         row_ids=[agent.row_ids[i] for i in chosen], offsets=drawn, stop_after_finished=1)

@@ -5,7 +5,7 @@
             -> agent turn -> row -> token
 
 The first links are here; the sampler folds in the last two itself: each row's
-global id (`Sampler.start(row_ids=...)`, so a dialogue draws the same tokens
+global id (`BatchSampler.start(row_ids=...)`, so a dialogue draws the same tokens
 whichever host or batch runs it) and then each token's position. A chain
 never meets another: different runs, streams, steps and turns fold in
 different values, where sums of integers (`seed * 1000 + turn`) meet at

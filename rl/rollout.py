@@ -82,7 +82,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
                      row_ids=[first_profile * n + i for i in range(len(dialogues))])
 
   turn_key = lambda turn: keys.turn(key, turn)
-  stats_before = copy.copy(sampler.stats)
+  stats_before = copy.copy(sampler.weights.stats)
   sim_events_before = dict(user.metrics)
   if config.engine == "continuous":
     sim_seconds += engine.run(sampler, agent, user, dialogues, config, turn_key)
@@ -95,7 +95,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   agent_metrics = agent.metrics()
   metrics.update(simulator_events(user.metrics, sim_events_before))
   metrics.update({"time/rollout": wall, "time/simulator": sim_seconds, **agent_metrics,
-                  **sampler.stats.since(stats_before).metrics(),
+                  **sampler.weights.stats.since(stats_before).metrics(),
                   "rollout/sim_wait_s": sim_seconds,
                   "rollout/tokens_per_s": agent_metrics["tokens/generated"] / max(wall, 1e-9)})
   return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)

@@ -137,7 +137,7 @@ def run_batch(args) -> None:
   with open(args.output, "w") as out, tqdm(total=len(requests), unit="prompt") as bar:
     for first in range(0, len(requests), args.batch_size):
       batch = requests[first:first + args.batch_size]
-      result = policy.sampler.generate(batch, params,
+      result = policy.sampler.batch.generate(batch, params,
                                        keys.batch(args.seed, keys.GENERATION, first))
       for tokens, logprobs, text, reason in zip(result.tokens, result.logprobs,
                                                 result.texts(policy.tokenizer),
@@ -168,10 +168,10 @@ def run_chat(args, stdin=sys.stdin, stdout=sys.stdout) -> None:
     user = {"role": "user", "content": line.rstrip("\n")}
     if convs is None:
       ids = formatter.prompt_ids(messages + [user])
-      convs = sampler.start(1)
+      convs = sampler.batch.start(1)
     else:
       ids = formatter.continuation_ids(messages, convs.reply_ended[0], [user])
-    result = sampler.extend(convs, [ids], params, keys.turn(chat_key, turn))
+    result = sampler.batch.extend(convs, [ids], params, keys.turn(chat_key, turn))
     reply = result.texts(policy.tokenizer)[0]
     messages += [user, {"role": "assistant", "content": reply}]
     turn += 1

@@ -10,7 +10,7 @@ Design (the one Tunix and verl follow in their own ways):
   the others dispatch the leader's row programs as it announces them
   (`RowSampler.follow`). After each update the training weights are cast and
   moved onto every group's mesh in one jitted program (`models/weight_copy.py`,
-  inside the sampler's `update_weights`). Sampling keys fold in the global
+  inside `SamplerWeights.update`). Sampling keys fold in the global
   dialogue index (`rl.rollout.collect(first_profile=...)`), so the dialogues do
   not depend on how many hosts or groups there are.
 - Training batches are collated on each host from its own rows with a width

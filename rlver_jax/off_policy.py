@@ -11,8 +11,8 @@ trains (`rollout/policy_lag` 1); the losses' importance ratio is taken against t
 log-probs the sampler drew the tokens with (`TrainBatch.old_logprobs_bt`), i.e. the
 behaviour policy's, as verl's one-step-off-policy trainer and Tunix's `off_policy_steps` do.
 
-The background rollout calls the sampler and the simulated user through a `_Guarded` view:
-each call first checks whether the rollout was cancelled (a stop signal, an error in the
+The background rollout calls the sampler's engines and the simulated user through `_Guarded`
+views: each call first checks whether the rollout was cancelled (a stop signal, an error in the
 main thread), so a cancelled rollout ends at its next decode chunk or simulator call. On a
 mesh of several devices the two threads take turns on the devices (`DeviceTurns`): each
 holds the turn for one program call and waits for its result before passing it on, so no
@@ -82,18 +82,23 @@ class DeviceTurns:
 
 class _Guarded:
   """`target` whose method calls raise RolloutCancelled once `cancelled` is set, and run in a
-  device turn where `turns` is given; attributes read and written through to `target`."""
+  device turn where `turns` is given; its attributes named in `parts` (a sampler's engines)
+  are guarded views too, the others read and written through to `target`."""
 
-  def __init__(self, target, cancelled: threading.Event, turns: DeviceTurns | None):
+  def __init__(self, target, cancelled: threading.Event, turns: DeviceTurns | None,
+               parts: tuple[str, ...] = ()):
     object.__setattr__(self, "_target", target)
     object.__setattr__(self, "_cancelled", cancelled)
     object.__setattr__(self, "_turns", turns)
+    object.__setattr__(self, "_parts", parts)
 
   def __getattr__(self, name: str):
     value = getattr(self._target, name)
+    cancelled, turns = self._cancelled, self._turns
+    if name in self._parts:
+      return _Guarded(value, cancelled, turns)
     if not inspect.ismethod(value):
       return value
-    cancelled, turns = self._cancelled, self._turns
 
     def guarded(*args, **kwargs):
       if cancelled.is_set():
@@ -126,7 +131,8 @@ class BackgroundRollout:
     self._result = self._error = None
     self.started = time.perf_counter()
     self.seconds = None  # its wall time, once done
-    args = (collect, _Guarded(sampler, self._cancelled, turns if turns.enabled else None),
+    args = (collect, _Guarded(sampler, self._cancelled, turns if turns.enabled else None,
+                              parts=("batch", "rows")),
             _Guarded(user, self._cancelled, turns if turns.enabled and user_in_turns else None))
     self._thread = threading.Thread(target=self._run, args=args, daemon=True,
                                     name=f"rollout-step-{step}")

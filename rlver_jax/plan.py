@@ -13,7 +13,7 @@ plans for N CPU devices; neither plans for the devices at hand.
 Programs: the learner programs of `rl/step.py` (value and reference passes,
 updates; with gradient accumulation its `gradients`, `accumulate_gradients`
 and `apply_gradients`), the sampler's weight refresh (`WeightCopy`) and the
-rollout engine's row programs (`Sampler.prefill_rows` / `decode_rows`), on
+rollout engine's row programs (`RowSampler.prefill_rows` / `decode_rows`), on
 host 0's devices as the sampler runs on each host's own. The row programs
 are a fixed set of at most 12 widths and attended slots at one capacity
 (`row_programs.row_program_set`, what the sampler compiles before a rollout);

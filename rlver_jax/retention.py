@@ -246,7 +246,7 @@ def evaluate(config) -> dict:
       batch = items[start:start + r.batch_size]
       share = multihost.share_of(len(batch))
       mine = batch[share.start:share.stop]
-      result = policy.sampler.generate([prompt(item) for item in mine], params,
+      result = policy.sampler.batch.generate([prompt(item) for item in mine], params,
                                        keys.batch(config.seed, keys.RETENTION, start),
                                        row_ids=share)
       rows = []

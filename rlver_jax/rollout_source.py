@@ -96,24 +96,24 @@ class RolloutSource:
       return
     assert self.prefetch is None, "the sampler's weights change under a rollout in flight"
     sampler, params = self.models.sampler, self.models.policy.params
-    if self.off_policy_steps and sampler.weight_copy is None:
+    if self.off_policy_steps and sampler.weights.weight_copy is None:
       # This sampler decodes from the weights it is given, and the update that runs beside the
       # next rollout donates the training weights: it gets a copy of its own.
       params = jax.tree.map(lambda x: jnp.array(x, copy=True), params)
-    sampler.update_weights(params)  # cast and moved onto every sampler group's mesh
+    sampler.weights.update(params)  # cast and moved onto every sampler group's mesh
     if self.off_policy_steps:  # ready before the update that may donate what it was read from
-      jax.block_until_ready(self.models.sampler.state)
+      jax.block_until_ready(self.models.sampler.weights.state)
     self.sampler_step = weights_step
 
   def _collect(self, step: int, profile_ids: list[int], sampler, user):
     """`step`'s rollout of these profiles (this host's share). A host that follows its sampler
     group's leader dispatches the leader's programs and has no dialogues of its own."""
     if not self.hosts.leads_group:
-      sampler.follow()
+      sampler.rows.follow()
       return rollout_lib.Rollout(samples=[], dialogues=[], metrics={})
     chosen = [self.profiles[i] for i in profile_ids]
     share = self.hosts.share(len(chosen))  # this host's dialogues
-    with sampler.leading():
+    with sampler.rows.leading():
       return rollout_lib.collect(
           sampler, self.models.formatter, user, chosen[share.start:share.stop],
           self.rollout_cfg, keys.rollout_step(self.config.seed, step),

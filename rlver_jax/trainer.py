@@ -161,7 +161,7 @@ class Trainer:
       self.rollouts.start_prefetch(step + 1, weights_step=self.step)
     self.dialogue_log.observe(step, collected.rollout.dialogues)
     if self.config.rollout.release_sampler_weights:
-      self.models.sampler.drop_weights()  # the update has its memory; made anew after it
+      self.models.sampler.weights.drop()  # the update has its memory; made anew after it
     return collected.rollout, collected.metrics(trained_step=self.step)
 
   # The loop: collect and update, log, save or stop.

@@ -49,7 +49,7 @@ class FlaxLLMBackend:
     for start in range(0, len(fits), self.max_batch_size):
       chunk = fits[start:start + self.max_batch_size]
       self._calls += 1
-      out = self.sampler.generate([prompts[i] for i in chunk], self.params,
+      out = self.sampler.batch.generate([prompts[i] for i in chunk], self.params,
                                   jax.random.fold_in(self.key, self._calls))
       for i, text in zip(chunk, out.texts(self.tokenizer, skip_special_tokens=True)):
         results[i] = text

@@ -46,7 +46,7 @@ def greedy_by_recomputation(model, prompt, max_new, stop_ids=()):
 
 def test_greedy_with_cache_equals_recomputation_and_logprobs(checkpoint):
   _, _, model = checkpoint
-  out = Sampler(model, stop_token_ids=[2]).generate(PROMPTS, GREEDY)
+  out = Sampler(model, stop_token_ids=[2]).batch.generate(PROMPTS, GREEDY)
   for prompt, tokens, logprobs in zip(PROMPTS, out.tokens, out.logprobs):
     ref_tokens, ref_logprobs = greedy_by_recomputation(model, prompt, 10, stop_ids=(2,))
     assert tokens == ref_tokens
@@ -56,9 +56,9 @@ def test_greedy_with_cache_equals_recomputation_and_logprobs(checkpoint):
 def test_greedy_equals_transformers_generate_with_stops(checkpoint):
   _, hf, model = checkpoint
   # Stop on a token that greedy decoding reaches for some rows but not others.
-  first = Sampler(model, stop_token_ids=[2]).generate(PROMPTS, GREEDY)
+  first = Sampler(model, stop_token_ids=[2]).batch.generate(PROMPTS, GREEDY)
   stop = first.tokens[0][2]
-  out = Sampler(model, stop_token_ids=[stop]).generate(PROMPTS, GREEDY)
+  out = Sampler(model, stop_token_ids=[stop]).batch.generate(PROMPTS, GREEDY)
   assert STOP in out.stop_reasons
   for prompt, tokens, reason in zip(PROMPTS, out.tokens, out.stop_reasons):
     with torch.no_grad():
@@ -72,7 +72,7 @@ def test_greedy_equals_transformers_generate_with_stops(checkpoint):
 
 def test_left_padded_batch_in_transformers_gives_the_same_tokens(checkpoint):
   _, hf, model = checkpoint
-  out = Sampler(model, stop_token_ids=[2]).generate(PROMPTS, GREEDY)
+  out = Sampler(model, stop_token_ids=[2]).batch.generate(PROMPTS, GREEDY)
   width = max(map(len, PROMPTS))
   ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
   mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
@@ -85,7 +85,7 @@ def test_left_padded_batch_in_transformers_gives_the_same_tokens(checkpoint):
 def test_sampled_logprobs_are_the_tempered_policy(checkpoint):
   _, _, model = checkpoint
   params = SamplingParams(max_new_tokens=6, temperature=0.7)
-  out = Sampler(model, stop_token_ids=[2]).generate(PROMPTS[:2], params, jax.random.key(3))
+  out = Sampler(model, stop_token_ids=[2]).batch.generate(PROMPTS[:2], params, jax.random.key(3))
   for prompt, tokens, logprobs in zip(PROMPTS, out.tokens, out.logprobs):
     logits = np.asarray(model(jnp.asarray([prompt + tokens], jnp.int32)))[0]
     steps = np.arange(len(prompt) - 1, len(prompt) - 1 + len(tokens))
@@ -96,13 +96,13 @@ def test_sampled_logprobs_are_the_tempered_policy(checkpoint):
 def test_multi_turn_continuation_equals_full_reprefill(checkpoint):
   _, _, model = checkpoint
   sampler = Sampler(model, stop_token_ids=[2], min_cache_bucket=16)
-  convs = sampler.start(len(PROMPTS))
-  turn1 = sampler.extend(convs, PROMPTS, GREEDY)
+  convs = sampler.batch.start(len(PROMPTS))
+  turn1 = sampler.batch.extend(convs, PROMPTS, GREEDY)
   user_turns = [[60, 61, 62], [63], [64, 65, 66, 67, 68, 69], [70, 71]]
-  turn2 = sampler.extend(convs, user_turns, GREEDY)  # grows the 16-slot cache on the way
+  turn2 = sampler.batch.extend(convs, user_turns, GREEDY)  # grows the 16-slot cache on the way
   assert convs.capacity >= 32
   histories = [p + t + u for p, t, u in zip(PROMPTS, turn1.tokens, user_turns)]
-  full = Sampler(model, stop_token_ids=[2]).generate(histories, GREEDY)
+  full = Sampler(model, stop_token_ids=[2]).batch.generate(histories, GREEDY)
   assert turn2.tokens == full.tokens
   np.testing.assert_allclose(np.concatenate(turn2.logprobs), np.concatenate(full.logprobs),
                              atol=1e-4)
@@ -111,12 +111,12 @@ def test_multi_turn_continuation_equals_full_reprefill(checkpoint):
 def test_select_drops_finished_dialogues(checkpoint):
   _, _, model = checkpoint
   sampler = Sampler(model, stop_token_ids=[2])
-  convs = sampler.start(len(PROMPTS))
-  turn1 = sampler.extend(convs, PROMPTS, GREEDY)
-  sampler.select(convs, [3, 1])
+  convs = sampler.batch.start(len(PROMPTS))
+  turn1 = sampler.batch.extend(convs, PROMPTS, GREEDY)
+  sampler.batch.select(convs, [3, 1])
   assert convs.batch_size == 2 and convs.num_rows == 2
-  turn2 = sampler.extend(convs, [[80, 81], [82]], GREEDY)
-  full = Sampler(model, stop_token_ids=[2]).generate(
+  turn2 = sampler.batch.extend(convs, [[80, 81], [82]], GREEDY)
+  full = Sampler(model, stop_token_ids=[2]).batch.generate(
       [PROMPTS[3] + turn1.tokens[3] + [80, 81], PROMPTS[1] + turn1.tokens[1] + [82]], GREEDY)
   assert turn2.tokens == full.tokens
 
@@ -125,10 +125,10 @@ def test_same_seed_same_samples(checkpoint):
   _, _, model = checkpoint
   sampler = Sampler(model, stop_token_ids=[2])
   params = SamplingParams(max_new_tokens=8, temperature=1.0, top_p=0.9, top_k=50)
-  a = sampler.generate(PROMPTS, params, jax.random.key(11))
-  b = sampler.generate(PROMPTS, params, jax.random.key(11))
-  c = sampler.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0),
-                       jax.random.key(12))
+  a = sampler.batch.generate(PROMPTS, params, jax.random.key(11))
+  b = sampler.batch.generate(PROMPTS, params, jax.random.key(11))
+  c = sampler.batch.generate(PROMPTS, SamplingParams(max_new_tokens=8, temperature=1.0),
+                             jax.random.key(12))
   assert a.tokens == b.tokens and a.logprobs == b.logprobs
   assert a.tokens != c.tokens
 
@@ -137,9 +137,9 @@ def test_prompt_lengths_share_compiled_buckets(checkpoint):
   _, _, model = checkpoint
   sampler = Sampler(model, stop_token_ids=[2])
   for prompts in ([[1, 2, 3]], [[4, 5, 6, 7, 8, 9]], [[10] * 12]):  # one batch and chunk bucket
-    sampler.generate(prompts, GREEDY)
-  assert sampler._prefill._cache_size() == 1
-  assert sampler._decode._cache_size() == 1
+    sampler.batch.generate(prompts, GREEDY)
+  assert sampler.batch._prefill._cache_size() == 1
+  assert sampler.batch._decode._cache_size() == 1
 
 
 def _nucleus(probs, top_p):
@@ -174,10 +174,10 @@ def test_sharded_sampler_matches_unsharded(checkpoint):
   path, _, model = checkpoint
   mesh = partitioning.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sharded = Sampler(qwen2.from_pretrained(path, mesh=mesh), stop_token_ids=[2], mesh=mesh)
-  convs = sharded.start(len(PROMPTS))
+  convs = sharded.batch.start(len(PROMPTS))
   assert convs.cache.k.sharding.spec[1] is not None  # rows sharded over data axes
-  out = sharded.extend(convs, PROMPTS, GREEDY)
-  assert out.tokens == Sampler(model, stop_token_ids=[2]).generate(PROMPTS, GREEDY).tokens
+  out = sharded.batch.extend(convs, PROMPTS, GREEDY)
+  assert out.tokens == Sampler(model, stop_token_ids=[2]).batch.generate(PROMPTS, GREEDY).tokens
 
 
 def test_sampling_params_are_validated():
@@ -191,8 +191,8 @@ def test_sampler_runs_a_rematerialised_model(checkpoint):
   """The recipes train with remat on; the sampler must run the same model object."""
   path, _, model = checkpoint
   remat_model = qwen2.from_pretrained(path, remat=True)
-  plain = Sampler(model, stop_token_ids=[1]).generate(PROMPTS, GREEDY)
-  remat = Sampler(remat_model, stop_token_ids=[1]).generate(PROMPTS, GREEDY)
+  plain = Sampler(model, stop_token_ids=[1]).batch.generate(PROMPTS, GREEDY)
+  remat = Sampler(remat_model, stop_token_ids=[1]).batch.generate(PROMPTS, GREEDY)
   assert remat.tokens == plain.tokens
   np.testing.assert_allclose(np.concatenate(remat.logprobs), np.concatenate(plain.logprobs),
                              atol=1e-5)

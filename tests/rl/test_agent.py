@@ -1,5 +1,7 @@
 """The agent layer: what each strategy feeds the sampler and what it keeps for training."""
 
+import types
+
 import jax
 import pytest
 
@@ -15,8 +17,9 @@ SYSTEM = "Be kind."
 SAMPLING = SamplingParams(max_new_tokens=16)
 
 
-class ScriptedSampler:
-  """Stands in for the sampler: replies `reply_ids`, cut at the length limit on the first turn.
+class ScriptedBatch:
+  """Stands in for the sampler's batch engine (the agent's calls): replies `reply_ids`, cut at
+  the length limit on the first turn.
 
   Records what the agent feeds it; its conversations are plain objects with the
   real ones' row ids and reply ends.
@@ -64,8 +67,9 @@ def test_cached_dialogues_feed_only_what_the_cache_lacks(setup):
   tokenizer, formatter, user, dialogues = setup
   reply = "I hear you, tell me more."
   stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-  sampler = ScriptedSampler(tokenizer.encode(reply), stop_id)
-  agent = CachedDialogues(sampler, formatter, SYSTEM, SAMPLING, row_ids=[10, 11, 12])
+  batch = ScriptedBatch(tokenizer.encode(reply), stop_id)
+  agent = CachedDialogues(types.SimpleNamespace(batch=batch), formatter, SYSTEM, SAMPLING,
+                          row_ids=[10, 11, 12])
   first_prompts = [formatter.prompt_ids(agent_view(d, SYSTEM, raw_replies=True))
                    for d in dialogues]
 
@@ -74,9 +78,9 @@ def test_cached_dialogues_feed_only_what_the_cache_lacks(setup):
   dialogues[1].end_reason = "test"  # dialogue 1 leaves; the others go on
   assert agent.act(dialogues, [0, 2], jax.random.key(1)) == [reply] * 2
 
-  assert sampler.calls[0] == ([10, 11, 12], first_prompts)
-  assert sampler.selections == [[0, 2]]
-  row_ids, fed = sampler.calls[1]
+  assert batch.calls[0] == ([10, 11, 12], first_prompts)
+  assert batch.selections == [[0, 2]]
+  row_ids, fed = batch.calls[1]
   assert row_ids == [10, 12]
   for i, new_tokens in zip([0, 2], fed):
     # The first reply was cut at the length limit: the feed closes it before the user's turn.
@@ -103,15 +107,15 @@ def test_thinking_turns_are_samples_of_their_own_and_hide_thoughts(setup):
   tokenizer, formatter, user, dialogues = setup
   stop_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
   thought_reply = "<think>she is sad</think>I hear you."
-  sampler = ScriptedSampler(tokenizer.encode(thought_reply), stop_id)
-  agent = ThinkingTurns(sampler, formatter, SYSTEM, SAMPLING, row_ids=[0, 1, 2],
-                        format_penalty_reward=-1.0)
+  batch = ScriptedBatch(tokenizer.encode(thought_reply), stop_id)
+  agent = ThinkingTurns(types.SimpleNamespace(batch=batch), formatter, SYSTEM, SAMPLING,
+                        row_ids=[0, 1, 2], format_penalty_reward=-1.0)
 
   assert agent.act(dialogues, [0, 1, 2], jax.random.key(0)) == [thought_reply] * 3
   user.respond(dialogues, [thought_reply] * 3)
   agent.act(dialogues, [0, 1, 2], jax.random.key(1))
 
-  _, prompts = sampler.calls[1]
+  _, prompts = batch.calls[1]
   assert all("she is sad" not in tokenizer.decode(p) for p in prompts)
   assert prompts[0] == formatter.prompt_ids(agent_view(dialogues[0], SYSTEM, raw_replies=False))
   for d in dialogues:
@@ -128,10 +132,10 @@ def test_thinking_turns_are_samples_of_their_own_and_hide_thoughts(setup):
 
 def test_a_badly_formatted_thinking_turn_gets_the_format_penalty(setup):
   tokenizer, formatter, user, dialogues = setup
-  sampler = ScriptedSampler(tokenizer.encode("no thoughts here"),
-                            tokenizer.convert_tokens_to_ids("<|im_end|>"))
-  agent = ThinkingTurns(sampler, formatter, SYSTEM, SAMPLING, row_ids=[0, 1, 2],
-                        format_penalty_reward=-1.0)
+  batch = ScriptedBatch(tokenizer.encode("no thoughts here"),
+                        tokenizer.convert_tokens_to_ids("<|im_end|>"))
+  agent = ThinkingTurns(types.SimpleNamespace(batch=batch), formatter, SYSTEM, SAMPLING,
+                        row_ids=[0, 1, 2], format_penalty_reward=-1.0)
   agent.act(dialogues, [0, 1, 2], jax.random.key(0))
   for d in dialogues:
     d.end_reason = "test"

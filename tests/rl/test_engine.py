@@ -57,10 +57,10 @@ def decode_all(sampler, rb, rows, params, width, key=None, row_ids=None):
   live = list(rows)
   while live:
     chosen = live[:width]
-    chunk = sampler.decode_rows(rb, chosen, [params.max_new_tokens - len(tokens[r]) for r in chosen],
-                                params, keys=None if key is None else [key] * len(chosen),
-                                row_ids=[row_id[r] for r in chosen],
-                                offsets=[len(tokens[r]) for r in chosen])
+    chunk = sampler.rows.decode_rows(
+        rb, chosen, [params.max_new_tokens - len(tokens[r]) for r in chosen], params,
+        keys=None if key is None else [key] * len(chosen), row_ids=[row_id[r] for r in chosen],
+        offsets=[len(tokens[r]) for r in chosen])
     for r, new, lp, finished in zip(chosen, chunk.tokens, chunk.logprobs, chunk.finished):
       tokens[r] += new
       logprobs[r] += lp
@@ -72,12 +72,12 @@ def decode_all(sampler, rb, rows, params, width, key=None, row_ids=None):
 
 @pytest.mark.heavy
 def test_rows_decoded_in_chunks_equal_the_batch_sampler(reference, row_sampler):
-  expected = reference.generate(PROMPTS, GREEDY)
+  expected = reference.batch.generate(PROMPTS, GREEDY)
   assert [len(t) for t in expected.tokens] == [10, 10, 4, 10]
   sampler = row_sampler
-  rb = sampler.start_rows(len(PROMPTS))
-  sampler.prefill_rows(rb, [2, 0], [PROMPTS[2], PROMPTS[0]])
-  sampler.prefill_rows(rb, [1, 3], [PROMPTS[1], PROMPTS[3]])
+  rb = sampler.rows.start_rows(len(PROMPTS))
+  sampler.rows.prefill_rows(rb, [2, 0], [PROMPTS[2], PROMPTS[0]])
+  sampler.rows.prefill_rows(rb, [1, 3], [PROMPTS[1], PROMPTS[3]])
   tokens, logprobs = decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=3)
   assert tokens == expected.tokens
   np.testing.assert_allclose(np.concatenate(logprobs), np.concatenate(expected.logprobs),
@@ -88,18 +88,18 @@ def test_rows_decoded_in_chunks_equal_the_batch_sampler(reference, row_sampler):
 
 def test_rows_continue_restart_and_match_a_full_forward_pass(model, reference, row_sampler):
   sampler = row_sampler
-  rb = sampler.start_rows(len(PROMPTS))
-  sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  rb = sampler.rows.start_rows(len(PROMPTS))
+  sampler.rows.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
   turn1, _ = decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=3)
   user = {3: [60, 61, 62], 1: [63]}
   # Rows 3 and 1 get a user turn at their own offsets (outgrowing the 16-slot cache); row 0
   # starts over with a new prompt, as a thinking-mode turn does; row 2 waits.
-  sampler.prefill_rows(rb, [3, 1], [user[3], user[1]])
-  sampler.prefill_rows(rb, [0], [[70, 71, 72]], restart=True)
+  sampler.rows.prefill_rows(rb, [3, 1], [user[3], user[1]])
+  sampler.rows.prefill_rows(rb, [0], [[70, 71, 72]], restart=True)
   turn2, logprobs2 = decode_all(sampler, rb, [3, 1, 0], GREEDY, width=2)
   assert rb.capacity >= 32
   histories = [PROMPTS[3] + turn1[3] + user[3], PROMPTS[1] + turn1[1] + user[1], [70, 71, 72]]
-  assert turn2 == reference.generate(histories, GREEDY).tokens
+  assert turn2 == reference.batch.generate(histories, GREEDY).tokens
   # The sampler's log-probs are those of one forward pass over the whole sequences.
   sequences = [h + r for h, r in zip(histories, turn2)]
   width = max(len(q) for q in sequences)
@@ -114,9 +114,9 @@ def test_rows_continue_restart_and_match_a_full_forward_pass(model, reference, r
 def test_short_rows_in_a_long_cache_attend_over_their_own_bucket(model, reference):
   row_sampler = Sampler(model, stop_token_ids=[STOP], min_cache_bucket=16, decode_chunk_steps=3)
   long_prompt = list(range(30, 70))
-  expected = reference.generate([long_prompt, PROMPTS[1]], GREEDY)
-  rb = row_sampler.start_rows(2, capacity=256)
-  row_sampler.prefill_rows(rb, [0, 1], [long_prompt, PROMPTS[1]])
+  expected = reference.batch.generate([long_prompt, PROMPTS[1]], GREEDY)
+  rb = row_sampler.rows.start_rows(2, capacity=256)
+  row_sampler.rows.prefill_rows(rb, [0, 1], [long_prompt, PROMPTS[1]])
   assert rb.slot_levels == (16, 64, 256)
   # Row 1 alone: its chunks attend over 16 slots (its level), not the cache's 256.
   assert rb.slots_for(len(PROMPTS[1]) + 3) == 16 and rb.slots_for(len(long_prompt) + 3) == 64
@@ -128,9 +128,9 @@ def test_short_rows_in_a_long_cache_attend_over_their_own_bucket(model, referenc
 def test_sampled_rows_draw_the_batch_samplers_tokens(reference, row_sampler):
   params = SamplingParams(max_new_tokens=12, temperature=1.0, top_k=20)
   key = jax.random.key(7)
-  expected = reference.generate(PROMPTS, params, key, row_ids=[4, 5, 6, 7])
-  rb = row_sampler.start_rows(len(PROMPTS))
-  row_sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  expected = reference.batch.generate(PROMPTS, params, key, row_ids=[4, 5, 6, 7])
+  rb = row_sampler.rows.start_rows(len(PROMPTS))
+  row_sampler.rows.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
   tokens, _ = decode_all(row_sampler, rb, [0, 1, 2, 3], params, width=3, key=key,
                          row_ids=[4, 5, 6, 7])
   assert tokens == expected.tokens
@@ -144,11 +144,11 @@ def test_rows_spread_unevenly_over_data_shards_equal_the_batch_sampler(model, re
   sampler = Sampler(model, stop_token_ids=[STOP], mesh=mesh, min_cache_bucket=16,
                     decode_chunk_steps=3)
   prompts = PROMPTS + [p[::-1] for p in PROMPTS]
-  expected = reference.generate(prompts, GREEDY)
-  rb = sampler.start_rows(len(prompts))
+  expected = reference.batch.generate(prompts, GREEDY)
+  rb = sampler.rows.start_rows(len(prompts))
   assert [rb.shard(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
-  sampler.prefill_rows(rb, [1, 0, 5], [prompts[1], prompts[0], prompts[5]])
-  sampler.prefill_rows(rb, [7, 2, 3, 4, 6], [prompts[r] for r in [7, 2, 3, 4, 6]])
+  sampler.rows.prefill_rows(rb, [1, 0, 5], [prompts[1], prompts[0], prompts[5]])
+  sampler.rows.prefill_rows(rb, [7, 2, 3, 4, 6], [prompts[r] for r in [7, 2, 3, 4, 6]])
   # 3 rows a chunk in rotation: some shards give two rows, some none.
   tokens, logprobs = decode_all(sampler, rb, list(range(8)), GREEDY, width=3)
   assert tokens == expected.tokens
@@ -156,7 +156,7 @@ def test_rows_spread_unevenly_over_data_shards_equal_the_batch_sampler(model, re
                              atol=1e-5)
   assert rb.lengths.tolist() == [len(p) + len(t) for p, t in zip(prompts, tokens)]
   # One row of one shard: the others pad (reading their last row), and write nothing back.
-  sampler.prefill_rows(rb, [5], [[60, 61, 62]])
+  sampler.rows.prefill_rows(rb, [5], [[60, 61, 62]])
   assert rb.lengths[5] == len(prompts[5]) + len(tokens[5]) + 3
   assert np.asarray(rb.cache.length).tolist() == rb.lengths.tolist()
 
@@ -182,41 +182,42 @@ def test_bf16_sampling_weights_refresh_without_recompiling(model, layout):
   mesh = partitioning.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
   sampler = Sampler(model, stop_token_ids=[STOP], sampling_dtype=jnp.bfloat16, mesh=mesh,
                     sampling_layout=layout)
-  weights = jax.tree.leaves(sampler.state)
+  weights = jax.tree.leaves(sampler.weights.state)
   assert all(x.dtype == jnp.bfloat16 for x in weights)
   assert any("tensor" in x.sharding.spec for x in weights)
   # decode: split over tensor, never over fsdp (no all-gather per token); train: as trained.
   assert any("fsdp" in str(x.sharding.spec) for x in weights) == (layout == "train")
   # decode: the copy's layers are a list, each layer's weights arrays of their own; train:
   # a stack, scanned, so each layer's FSDP all-gather lives one layer at a time.
-  layers = nnx.merge(sampler.graphdef, sampler.state).backbone.layers
+  layers = nnx.merge(sampler.weights.graphdef, sampler.weights.state).backbone.layers
   assert isinstance(layers, nnx.List) == (layout == "decode")
   graphdef, state = nnx.split(model)
   cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16).astype(x.dtype), state)
-  expected = Sampler(nnx.merge(graphdef, cast), stop_token_ids=[STOP]).generate(PROMPTS, GREEDY)
-  assert sampler.generate(PROMPTS, GREEDY).tokens == expected.tokens
-  rb = sampler.start_rows(len(PROMPTS))
-  sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  expected = Sampler(nnx.merge(graphdef, cast), stop_token_ids=[STOP]).batch.generate(
+      PROMPTS, GREEDY)
+  assert sampler.batch.generate(PROMPTS, GREEDY).tokens == expected.tokens
+  rb = sampler.rows.start_rows(len(PROMPTS))
+  sampler.rows.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
   assert decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=4)[0] == expected.tokens
 
   other = qwen2.init_random(CONFIG, seed=1)
-  sampler.update_weights(other)
+  sampler.weights.update(other)
   assert all(x.is_deleted() for x in weights)  # refreshed into the old copy's buffers
-  compiled = sampler._decode._cache_size(), len(sampler._row_executables)
-  refreshed = sampler.generate(PROMPTS, GREEDY).tokens
-  rb = sampler.start_rows(len(PROMPTS))
-  sampler.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
+  compiled = sampler.batch._decode._cache_size(), len(sampler.rows._row_executables)
+  refreshed = sampler.batch.generate(PROMPTS, GREEDY).tokens
+  rb = sampler.rows.start_rows(len(PROMPTS))
+  sampler.rows.prefill_rows(rb, [0, 1, 2, 3], PROMPTS)
   assert decode_all(sampler, rb, [0, 1, 2, 3], GREEDY, width=4)[0] == refreshed
-  assert (sampler._decode._cache_size(), len(sampler._row_executables)) == compiled
+  assert (sampler.batch._decode._cache_size(), len(sampler.rows._row_executables)) == compiled
   assert refreshed != expected.tokens
   # rollout.release_sampler_weights: the copy is freed while the update runs, and the next
   # refresh makes it anew, for the same programs.
-  held = jax.tree.leaves(sampler.state)
-  sampler.drop_weights()
-  assert sampler.state is None and all(x.is_deleted() for x in held)
-  sampler.update_weights(other)
-  assert sampler.generate(PROMPTS, GREEDY).tokens == refreshed
-  assert (sampler._decode._cache_size(), len(sampler._row_executables)) == compiled
+  held = jax.tree.leaves(sampler.weights.state)
+  sampler.weights.drop()
+  assert sampler.weights.state is None and all(x.is_deleted() for x in held)
+  sampler.weights.update(other)
+  assert sampler.batch.generate(PROMPTS, GREEDY).tokens == refreshed
+  assert (sampler.batch._decode._cache_size(), len(sampler.rows._row_executables)) == compiled
 
 
 def test_row_programs_are_a_fixed_set_of_at_most_16():
@@ -240,9 +241,9 @@ def chat_policy(tiny_checkpoint):
   # 40 of the 1024 tokens also end a reply, so replies end at different lengths, by stop
   # token or by budget, and dialogues at different turns.
   config = dataclasses.replace(policy.model.config, initializer_range=0.3)
-  stops = list(policy.sampler.stop_token_ids) + list(range(100, 140))
+  stops = list(policy.sampler.weights.stop_token_ids) + list(range(100, 140))
   sampler = Sampler(qwen2.init_random(config, seed=3), stop_token_ids=stops,
-                    pad_id=policy.sampler.pad_id, decode_chunk_steps=4)
+                    pad_id=policy.sampler.weights.pad_id, decode_chunk_steps=4)
   return sampler, policy.formatter, profiles.load_profiles(profiles.DEMO_PROFILES)[:3]
 
 
@@ -372,8 +373,9 @@ def compiled_during(fn):
 @pytest.mark.heavy
 def test_the_engine_compiles_its_fixed_program_set_once_whatever_the_order(chat_policy):
   chat, formatter, demo = chat_policy
-  sampler = Sampler(nnx.merge(chat.graphdef, chat.state), stop_token_ids=chat.stop_token_ids,
-                    pad_id=chat.pad_id, decode_chunk_steps=4)
+  sampler = Sampler(nnx.merge(chat.weights.graphdef, chat.weights.state),
+                    stop_token_ids=chat.weights.stop_token_ids, pad_id=chat.weights.pad_id,
+                    decode_chunk_steps=4)
   config = RolloutConfig(system_prompt="", max_new_tokens=12, temperature=1.0,
                          max_dialogue_tokens=30, samples_per_profile=2)
   rollouts = []
@@ -381,7 +383,7 @@ def test_the_engine_compiles_its_fixed_program_set_once_whatever_the_order(chat_
       sampler, formatter, make_user(AnswersInRandomOrder(seed)), demo, config,
       jax.random.key(seed)))
   first = compiled_during(lambda: collect(0))
-  assert len(sampler._row_executables) == len(row_program_set(6, sampler.row_capacity, 1))
+  assert len(sampler.rows._row_executables) == len(row_program_set(6, sampler.rows.row_capacity, 1))
   assert first <= 16
   # Other answers in another order, other sampled replies: nothing new to compile.
   assert compiled_during(lambda: collect(1)) == 0

@@ -59,8 +59,8 @@ def _sampled(model, sampling_dtype, count: int = 8) -> list[Sample]:
   """`count` replies of 16 tokens the sampler drew (with their log-probs) from `model`."""
   sampler = Sampler(model, stop_token_ids=[PEAKED.vocab_size], sampling_dtype=sampling_dtype)
   prompts = [[1 + i, 2 + i, 3 + i, 4 + i] for i in range(count)]
-  out = sampler.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0),
-                         jax.random.key(0))
+  out = sampler.batch.generate(prompts, SamplingParams(max_new_tokens=16, temperature=1.0),
+                               jax.random.key(0))
   return [Sample(tokens=prompt + list(tokens), loss_mask=[0] * len(prompt) + [1] * len(tokens),
                  logprobs=[0.0] * len(prompt) + list(logprobs), reward=float(i % 2),
                  group=i // 2, dialogue=i)

@@ -334,8 +334,9 @@ def test_the_warmed_up_policy_speaks_every_kind_of_support_to_anyone(demo_init_p
   prompts = [policy.formatter.prompt_ids([{"role": "system", "content": "You are a caring listener."},
                                    {"role": "user", "content": p.first_talk}])
              for p in DEMO for _ in range(8)]
-  texts = policy.sampler.generate(prompts, SamplingParams(max_new_tokens=12, temperature=1.0),
-                           key=jax.random.key(0)).texts(policy.tokenizer, skip_special_tokens=True)
+  texts = policy.sampler.batch.generate(
+      prompts, SamplingParams(max_new_tokens=12, temperature=1.0),
+      key=jax.random.key(0)).texts(policy.tokenizer, skip_special_tokens=True)
   assert np.mean([is_natural_language(t) for t in texts]) >= 0.9, texts
   served = {intention for t in texts for intention in profiles.INTENTIONS
             if judge(t, intention, "vanilla").change == 20}

@@ -9,6 +9,7 @@ from transformers import AutoTokenizer
 
 from models import partitioning, qwen2
 from models.chat import ChatFormatter
+from models.batch_sampler import BatchSampler
 from models.sampler import Sampler
 from models.sampling import SamplingParams
 from rlver_jax import generate
@@ -66,7 +67,7 @@ def test_cli_writes_one_line_per_prompt_in_order(tiny_checkpoint, tmp_path):
   tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoint)
   alone = Sampler(model, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>"),
                                          tokenizer.convert_tokens_to_ids("<|endoftext|>")])
-  expected = alone.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, temperature=0))
+  expected = alone.batch.generate([[5, 6, 7]], SamplingParams(max_new_tokens=6, temperature=0))
   assert rows[2]["output_ids"] == expected.tokens[0]
 
 
@@ -103,13 +104,13 @@ def test_chat_mode_reuses_the_dialogue_cache(tiny_checkpoint, monkeypatch):
   args = generate.parse_args(["--checkpoint", str(tiny_checkpoint), "--chat",
                               "--max-new-tokens", "5"])
   extends = []
-  original = Sampler.extend
+  original = BatchSampler.extend
 
   def spy(self, convs, new_tokens, params, key):
     extends.append((id(convs), len(new_tokens[0])))
     return original(self, convs, new_tokens, params, key)
 
-  monkeypatch.setattr(Sampler, "extend", spy)
+  monkeypatch.setattr(BatchSampler, "extend", spy)
   stdout = io.StringIO()
   generate.run_chat(args, stdin=io.StringIO("hello\nI feel sad\n\n"), stdout=stdout)
   assert stdout.getvalue().count("model> ") == 2

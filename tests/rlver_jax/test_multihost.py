@@ -39,12 +39,12 @@ def test_a_rows_tokens_follow_its_id_not_its_batch():
   sampler = Sampler(model, stop_token_ids=[1])
   params, key = SamplingParams(max_new_tokens=6, temperature=1.0), jax.random.key(7)
   prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14]]
-  together = sampler.generate(prompts, params, key, row_ids=[10, 11, 12, 13])
+  together = sampler.batch.generate(prompts, params, key, row_ids=[10, 11, 12, 13])
   for row in range(4):
-    alone = sampler.generate([prompts[row]], params, key, row_ids=[10 + row])
+    alone = sampler.batch.generate([prompts[row]], params, key, row_ids=[10 + row])
     assert alone.tokens[0] == together.tokens[row]
     np.testing.assert_allclose(alone.logprobs[0], together.logprobs[row], rtol=1e-5)
-  other_ids = sampler.generate(prompts, params, key, row_ids=[20, 21, 22, 23])
+  other_ids = sampler.batch.generate(prompts, params, key, row_ids=[20, 21, 22, 23])
   assert other_ids.tokens != together.tokens
 
 

@@ -7,6 +7,7 @@ import os
 import signal
 import threading
 import time
+import types
 
 import jax
 import numpy as np
@@ -34,7 +35,7 @@ def _record_collects(monkeypatch, before=None):
 
   def recording(sampler, formatter, user, profiles, config, key, **kwargs):
     record = {"thread": threading.current_thread().name, "profiles": [p.id for p in profiles],
-              "weights": jax.device_get(sampler.state), "finished": False}
+              "weights": jax.device_get(sampler.weights.state), "finished": False}
     calls.append(record)
     if before is not None:
       before(record)
@@ -225,6 +226,32 @@ def _train_config(tmp_path, **rollout):
   for key, value in rollout.items():
     config.rollout[key] = value
   return config
+
+
+@pytest.mark.parametrize("engine", ["batch", "rows"])
+def test_a_cancelled_background_rollout_stops_at_its_next_call_of_either_engine(engine):
+  calls, called, go = [], threading.Event(), threading.Event()
+
+  class Engine:
+    def decode(self):
+      calls.append(engine)
+
+  def collect(sampler, user):
+    getattr(sampler, engine).decode()
+    called.set()
+    go.wait()
+    getattr(sampler, engine).decode()  # cancelled by now: raises
+    return "finished"
+
+  sampler = types.SimpleNamespace(batch=Engine(), rows=Engine())
+  rollout = off_policy.BackgroundRollout(0, collect, sampler, None, off_policy.DeviceTurns(False),
+                                         user_in_turns=False)
+  assert called.wait(10)
+  rollout.cancel(timeout_s=0)
+  go.set()
+  with pytest.raises(RuntimeError, match="cancelled"):
+    rollout.result()
+  assert calls == [engine]
 
 
 def test_off_policy_steps_is_0_or_1_on_one_process_and_listed(tmp_path):

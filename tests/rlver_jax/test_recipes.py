@@ -16,6 +16,7 @@ malformed answer, before it answers) and its first back-off delay.
 import importlib
 import json
 import os
+import types
 
 import jax
 import jax.numpy as jnp
@@ -112,7 +113,7 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
   run.run()
 
   # The recipes decode from the sampler's bf16 copy (the demo, fp32, from the training weights).
-  sampler_weights = jax.tree.leaves(run.models.sampler.state)
+  sampler_weights = jax.tree.leaves(run.models.sampler.weights.state)
   assert {x.dtype for x in sampler_weights} == {
       jnp.dtype(config.rollout.sampling_dtype or config.policy.param_dtype)}
   if config.rollout.sampling_dtype and config.rollout.sampling_layout == "train":
@@ -292,14 +293,13 @@ def test_rlver_prompts_exist_for_each_language_and_mode():
     system_prompts.policy_system_prompt("fr", thinking=False)
 
 
-class CutOffSampler:
-  """Stands in for the sampler's batch calls (the lockstep engine's): every reply is
+class CutOffBatch:
+  """Stands in for the sampler's batch engine (the lockstep engine's calls): every reply is
   `reply_ids`; every third one runs out of budget."""
 
   def __init__(self, reply_ids, stop_id):
     self.reply_ids, self.stop_id = reply_ids, stop_id
     self.turns = self.cut_off = 0
-    self.stats = DecodeStats()
 
   def start(self, num_rows, capacity=0):
     return None
@@ -323,8 +323,10 @@ class CutOffSampler:
 
 def test_eval_reports_the_system_prompt_and_the_share_of_cut_off_turns(tmp_path, monkeypatch):
   tokenizer = tiny.load_tokenizer()
-  sampler = CutOffSampler(tokenizer.encode("<think>hm</think>I hear you."),
-                          tokenizer.convert_tokens_to_ids("<|im_end|>"))
+  batch = CutOffBatch(tokenizer.encode("<think>hm</think>I hear you."),
+                      tokenizer.convert_tokens_to_ids("<|im_end|>"))
+  # The rollout reads the sampler's batch engine and its weights' statistics.
+  sampler = types.SimpleNamespace(batch=batch, weights=types.SimpleNamespace(stats=DecodeStats()))
   monkeypatch.setattr(pretrained, "load_policy", lambda *a, **k: pretrained.Policy(
       model=None, tokenizer=tokenizer, formatter=ChatFormatter(tokenizer),
       sampler=sampler))
@@ -338,9 +340,9 @@ def test_eval_reports_the_system_prompt_and_the_share_of_cut_off_turns(tmp_path,
   config.eval.system_prompt = "sage"
   config.eval.engine = "lockstep"  # the stand-in sampler has no row API
   summary = evaluator.evaluate(config)
-  assert summary["agent_turns_generated"] == sampler.turns > 3
-  assert summary["agent_turns_cut_off"] == sampler.cut_off
-  assert summary["cut_off_rate"] == pytest.approx(100 * sampler.cut_off / sampler.turns)
+  assert summary["agent_turns_generated"] == batch.turns > 3
+  assert summary["agent_turns_cut_off"] == batch.cut_off
+  assert summary["cut_off_rate"] == pytest.approx(100 * batch.cut_off / batch.turns)
   with open(tmp_path / "summary.json") as f:
     settings = json.load(f)["settings"]
   assert settings["system_prompt"] == system_prompts.sage_system_prompt("en")

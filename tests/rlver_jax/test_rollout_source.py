@@ -43,13 +43,15 @@ class _FollowingSampler:
   """A sampler group follower's sampler: it counts weight refreshes and follows."""
 
   def __init__(self):
-    self.weight_copy, self.state, self.refreshed, self.followed = None, None, [], 0
+    self.refreshed, self.followed = [], 0
+    self.weights = SimpleNamespace(weight_copy=None, state=None, update=self._update)
+    self.rows = SimpleNamespace(follow=self._follow)
 
-  def update_weights(self, params):
+  def _update(self, params):
     self.refreshed.append(params)
-    self.state = params
+    self.weights.state = params
 
-  def follow(self):
+  def _follow(self):
     self.followed += 1
 
 

@@ -7,9 +7,9 @@ from a train step are used without retracing. A cache is donated to every
 call and comes back updated. With a mesh, batch rows shard over the data
 axes and a cache's kv heads over the tensor axis, like the weights.
 
-The engines: `models.batch_sampler.BatchSampler` (a batch of dialogues in
-lockstep) and `models.row_sampler.RowSampler` (dialogues one row at a time);
-`models.sampler.Sampler` is both.
+The engines, each holding the one `SamplerWeights`: `models.batch_sampler.BatchSampler`
+(a batch of dialogues in lockstep) and `models.row_sampler.RowSampler` (dialogues one row
+at a time); `models.sampler.Sampler` holds the three.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ from models.slice_meshes import SliceMeshes
 from models.weight_copy import sampler_copy
 
 
-class SamplerBase:
+class SamplerWeights:
   """The weights, placement, stop tokens and statistics of a sampler's engines.
 
   `stop_token_ids` end a row (the stop token is returned as its last token);
-  `pad_id` fills padding.
+  `pad_id` fills padding. `state` is what the engines decode from now: they read it at
+  every call, so `update` gives both new weights.
   """
 
   def __init__(self, model: Qwen2, *, stop_token_ids: Sequence[int], pad_id: int = 0,
@@ -44,7 +45,7 @@ class SamplerBase:
     that dtype (`decoding_copy`; its layers a list where `layers_as_list`), placed by the
     rules of `partitioning.SAMPLING_LAYOUTS[sampling_layout]` ("decode": split over tensor
     only, so no FSDP all-gather per token; "train": sharded like the training weights);
-    `update_weights` refreshes it in place.
+    `update` refreshes it in place.
 
     `meshes` (training): `model` lies on `meshes.train` and the sampler decodes on
     `meshes.sampler_mesh` (its group's; `mesh` is then ignored), from a copy moved there
@@ -73,13 +74,13 @@ class SamplerBase:
     else:
       self.state = partitioning.place_state(state, mesh)
 
-  def update_weights(self, model_or_state) -> None:
+  def update(self, model_or_state) -> None:
     """Uses new weights (a model or its state) without recompiling."""
     state = model_or_state if isinstance(model_or_state, nnx.State) else nnx.state(model_or_state)
     self.state = state if self.weight_copy is None else self.weight_copy.refresh(state)
 
-  def drop_weights(self) -> None:
-    """Frees the sampler's copy of the weights until the next `update_weights` (a sampler that
+  def drop(self) -> None:
+    """Frees the sampler's copy of the weights until the next `update` (a sampler that
     decodes from the training weights has none to free)."""
     if self.weight_copy is not None:
       self.weight_copy.drop()
@@ -94,27 +95,27 @@ class SamplerBase:
     axes = partitioning.mesh_axes("batch", self.mesh)
     return math.prod(self.mesh.shape[a] for a in axes)
 
-  def _put(self, array, logical_axes):
+  def put(self, array, logical_axes):
     """A host array placed for a call on the mesh; without one, as it is (a jitted program
     takes host arrays as they are, where making each a device array first compiles a small
     program per shape)."""
     return array if self.mesh is None else partitioning.place(array, logical_axes, self.mesh)
 
-  def _place_cache(self, cache: KVCache) -> KVCache:
+  def place_cache(self, cache: KVCache) -> KVCache:
     if self.mesh is None:
       return cache
-    return cache.map_kv(lambda x: self._put(x, KV_CACHE_AXES[-x.ndim:])).replace(
-        kv_positions_bs=self._put(cache.kv_positions_bs, ("batch", "cache_seq")),
+    return cache.map_kv(lambda x: self.put(x, KV_CACHE_AXES[-x.ndim:])).replace(
+        kv_positions_bs=self.put(cache.kv_positions_bs, ("batch", "cache_seq")),
         # replicated: a scalar, or [B] per-row lengths the host reads
-        length=self._put(cache.length, (None,) * cache.length.ndim))
+        length=self.put(cache.length, (None,) * cache.length.ndim))
 
-  def _grown(self, cache: KVCache, needed_slots: int) -> KVCache:
+  def grown(self, cache: KVCache, needed_slots: int) -> KVCache:
     """`cache` with room for `needed_slots` slots (a bucket size), in either layout."""
     if needed_slots <= cache.max_len:
       return cache
     extra = bucket_size(needed_slots, self.min_cache_bucket) - cache.max_len
     cache = cache.map_kv(lambda x: jnp.pad(x, [(0, 0)] * (x.ndim - 2) + [(0, extra), (0, 0)]))
-    return self._place_cache(cache.replace(kv_positions_bs=jnp.pad(
+    return self.place_cache(cache.replace(kv_positions_bs=jnp.pad(
         cache.kv_positions_bs, ((0, 0), (0, extra)), constant_values=-1)))
 
 
@@ -176,7 +177,7 @@ def decode_loop(model, stop_token_ids, pad_id, sample, cache, logits_rv, done_r,
 
 def abstract_cache(config: qwen2.Qwen2Config, mesh: Mesh | None, rows: int, capacity: int,
                    cache_dtype, layers_as_list: bool, per_row: bool) -> KVCache:
-  """An empty cache of abstract arrays placed as `SamplerBase._place_cache` places a real one."""
+  """An empty cache of abstract arrays placed as `SamplerWeights.place_cache` places a real one."""
   init = KVCache.init_rows if per_row else KVCache.init
   cache = jax.eval_shape(lambda: init(config, rows, capacity, cache_dtype, layers_as_list))
   if mesh is None:
