@@ -17,7 +17,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import partitioning, programs
+from infra import programs
+from models import partitioning
 from rl import losses, updates
 from rl.batch import TrainBatch
 from rl.losses import RLConfig

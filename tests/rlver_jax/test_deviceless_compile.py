@@ -1,6 +1,6 @@
 """TPU and GPU lowering, in CI, without a TPU or GPU: a tiny model's whole PPO and GRPO steps
 compiled for a two-host v5p-16 slice by libtpu's compiler, and a step for 8 H200s by the
-CUDA plugin's (deviceless, `models/topology.py`).
+CUDA plugin's (deviceless, `infra/topology.py`).
 
 A change that breaks TPU lowering (a sharding the TPU partitioner rejects, a
 Pallas kernel Mosaic cannot lower, a silent fallback from splash attention)
@@ -15,8 +15,9 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from models import partitioning, programs, qwen2, topology, weight_copy
-from models.errors import UserInputError
+from infra import programs, topology
+from infra.errors import UserInputError
+from models import partitioning, qwen2, weight_copy
 from rlver_jax import builder, plan
 
 V5P_16 = topology.parse_accelerator_type("v5p-16")
