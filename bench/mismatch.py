@@ -82,10 +82,10 @@ def step_at_unmoved_weights(model, samples: list[Sample], old_logprobs: str) -> 
   """One step's metrics at learning rate 0 (the learner takes `model`'s weights over)."""
   mesh = partitioning.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   cfg = RLConfig(algorithm="grpo", old_logprobs=old_logprobs, clip_ratio=0.2)
-  optim = learner.AdamWConfig(lr=0.0)
-  policy = learner.Learner(model, learner.make_optimizer(optim), updates.policy_loss, cfg, mesh)
-  algorithm = step.AlgorithmStep(policy, None, None, cfg, step.StepConfig(
-      num_minibatches=2, policy_optim=optim))
+  optim = learner.OptimConfig(actor_lr=0.0, warmup_steps=0, num_minibatches=2)
+  policy = learner.Learner(model, learner.make_optimizer(optim, 0.0), updates.policy_loss, cfg,
+                           mesh)
+  algorithm = step.AlgorithmStep(policy, None, None, cfg, step.StepConfig(optim=optim))
   return algorithm.run(1, samples)
 
 

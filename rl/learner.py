@@ -1,4 +1,5 @@
-"""One model's training state and its jitted passes: the Learner, its optimizer and schedule.
+"""One model's training state and its jitted passes: the Learner, its optimizer and schedule
+(the `optim` section).
 
 Models are split into a graphdef and a parameter state; the jitted updates
 (`rl.updates.UpdatePrograms`) are pure functions of (params, optimizer state,
@@ -18,55 +19,85 @@ import optax
 from flax import nnx
 
 from infra import programs
+from infra.config_section import Problems, Section, at_least, positive
 from models import partitioning
 from rl import losses, updates
 from rl.batch import TrainBatch
 from rl.losses import RLConfig
 
 
+LR_SCHEDULES = ("constant", "cosine")
+
+
 @dataclasses.dataclass(frozen=True)
-class AdamWConfig:
-  """AdamW with gradient clipping; the schedule's steps are training steps, not updates."""
-  lr: float = 1e-6
-  warmup_steps: int = 0
-  schedule: str = "constant"  # or "cosine"
-  total_steps: int = 1
+class OptimConfig(Section):
+  """The `optim` section: AdamW for the policy and the critic, and the updates' schedule.
+
+  The learners' optimizers (`make_optimizer`) and the step (`rl.step.StepConfig`) read it
+  whole; AdamW's betas are optax's defaults (0.9, 0.999).
+
+  Attributes:
+    actor_lr: the policy's learning rate (AdamW).
+    critic_lr: the critic's learning rate (PPO).
+    warmup_steps: steps of linear learning-rate warm-up from 0.
+    schedule: after warm-up: constant | cosine (decays to 0 at `steps`).
+    weight_decay: AdamW weight decay.
+    grad_clip: global gradient norm clip.
+    ppo_epochs: passes over a step's batch.
+    num_minibatches: updates per pass (the batch split in this many).
+    grad_accum: micro-batches accumulated per update (memory, not maths).
+  """
+  actor_lr: float = 1e-6
+  critic_lr: float = 5e-6
+  warmup_steps: int = 50
+  schedule: str = "constant"
   weight_decay: float = 0.01
-  b1: float = 0.9
-  b2: float = 0.999
   grad_clip: float = 1.0
+  ppo_epochs: int = 1
+  num_minibatches: int = 1
+  grad_accum: int = 1
+
+  def check(self, p: Problems) -> None:
+    p.require("actor_lr", positive, "must be > 0")
+    p.one_of("schedule", LR_SCHEDULES)
+    p.require("warmup_steps", at_least(0), "must be >= 0")
+    p.require("grad_clip", positive, "must be > 0")
+    p.require("ppo_epochs", at_least(1), "must be >= 1")
+    p.require("num_minibatches", at_least(1), "must be >= 1")
+    p.require("grad_accum", at_least(1), "must be >= 1")
 
 
-def learning_rate(cfg: AdamWConfig, step: int) -> float:
-  """The learning rate of every update in training step `step` (0-based).
+def learning_rate(optim: OptimConfig, peak_lr: float, total_steps: int, step: int) -> float:
+  """The learning rate of every update in training step `step` (0-based) of `total_steps`,
+  `optim`'s schedule up to `peak_lr` (its actor_lr or critic_lr).
 
   As verl, which steps its LR scheduler once per training step: a step that
   makes several updates (mini-batches, thinking-mode turn samples) uses one
   rate for all of them, and warm-up counts steps whatever the update count.
   """
-  if cfg.schedule == "cosine":
-    schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1),
-                                                  max(cfg.total_steps, cfg.warmup_steps + 1))
-  elif cfg.schedule == "constant":
+  warmup = optim.warmup_steps
+  if optim.schedule == "cosine":
+    schedule = optax.warmup_cosine_decay_schedule(0.0, peak_lr, max(warmup, 1),
+                                                  max(total_steps, warmup + 1))
+  elif optim.schedule == "constant":
     schedule = optax.join_schedules(
-        [optax.linear_schedule(0.0, cfg.lr, max(cfg.warmup_steps, 1)),
-         optax.constant_schedule(cfg.lr)], [cfg.warmup_steps]) if cfg.warmup_steps else (
-             lambda _: cfg.lr)
+        [optax.linear_schedule(0.0, peak_lr, max(warmup, 1)),
+         optax.constant_schedule(peak_lr)], [warmup]) if warmup else (lambda _: peak_lr)
   else:
-    raise ValueError(f"unknown lr schedule {cfg.schedule!r}; expected constant or cosine")
+    raise ValueError(f"unknown lr schedule {optim.schedule!r}; expected one of {LR_SCHEDULES}")
   return float(schedule(step))
 
 
-def make_optimizer(cfg: AdamWConfig) -> optax.GradientTransformation:
-  """Clipped AdamW whose learning rate is a hyperparameter (`Learner.update` sets it)."""
-  learning_rate(cfg, 0)  # an unknown schedule fails here, at start-up
+def make_optimizer(optim: OptimConfig, peak_lr: float) -> optax.GradientTransformation:
+  """`optim`'s clipped AdamW, starting at `peak_lr`: its rate is a hyperparameter, which
+  `Learner.update` sets to `learning_rate` of each step."""
+  learning_rate(optim, peak_lr, 1, 0)  # an unknown schedule fails here, at start-up
 
   def clipped_adamw(learning_rate):
-    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip),
-                       optax.adamw(learning_rate, b1=cfg.b1, b2=cfg.b2,
-                                   weight_decay=cfg.weight_decay))
+    return optax.chain(optax.clip_by_global_norm(optim.grad_clip),
+                       optax.adamw(learning_rate, weight_decay=optim.weight_decay))
 
-  return optax.inject_hyperparams(clipped_adamw)(learning_rate=cfg.lr)
+  return optax.inject_hyperparams(clipped_adamw)(learning_rate=peak_lr)
 
 
 class Learner:

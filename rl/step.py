@@ -143,32 +143,28 @@ def update_programs(name: str, learner, shape: StepShape) -> dict[str, Program]:
 class StepConfig:
   """How a step makes its updates (verl's names where verl has them).
 
-  `ppo_epochs` passes over `num_minibatches` mini-batches of `grad_accum`
-  micro-batches; a batch has a multiple of `data_parallel` (the training mesh's
-  batch shards) x grad_accum x num_minibatches rows, so that it splits evenly.
-  With `thinking` every agent turn is a sample, many per dialogue: mini-batches
-  hold the step's `dialogues` (its dialogue count) over num_minibatches samples,
-  as the release's ppo_mini_batch_size, so a step makes as many updates as the
-  release's. Learning rates follow `policy_optim` and `critic_optim` by
-  training step; more than `max_skipped_updates` non-finite updates in the run
-  stop it. The value and reference passes score tokens under the sampler's
-  `temperature`, as the policy's loss does.
+  `optim` (the `optim` section, `rl.learner.OptimConfig`): `ppo_epochs` passes over
+  `num_minibatches` mini-batches of `grad_accum` micro-batches, at learning rates that follow
+  its schedule by training step, of `total_steps` (the run's steps). A batch has a multiple
+  of `data_parallel` (the training mesh's batch shards) x grad_accum x num_minibatches rows,
+  so that it splits evenly. With `thinking` every agent turn is a sample, many per dialogue:
+  mini-batches hold the step's `dialogues` (its dialogue count) over num_minibatches samples,
+  as the release's ppo_mini_batch_size, so a step makes as many updates as the release's.
+  More than `max_skipped_updates` non-finite updates in the run stop it. The value and
+  reference passes score tokens under the sampler's `temperature`, as the policy's loss does.
   """
-  ppo_epochs: int = 1
-  num_minibatches: int = 1
-  grad_accum: int = 1
+  optim: learner.OptimConfig = learner.OptimConfig()
+  total_steps: int = 1
   data_parallel: int = 1
   thinking: bool = False
   dialogues: int = 0
   max_skipped_updates: int = 0
-  policy_optim: learner.AdamWConfig = learner.AdamWConfig()
-  critic_optim: learner.AdamWConfig | None = None  # PPO only
   temperature: float = 1.0
 
   @property
   def micro_multiple(self) -> int:
     """The rows of a micro-batch are a multiple of this: it splits over the batch shards."""
-    return self.data_parallel * self.grad_accum
+    return self.data_parallel * self.optim.grad_accum
 
 
 class _Alone:
@@ -210,8 +206,9 @@ class AlgorithmStep:
     # old_logprobs_bt are the sampler's log-probs of the tokens it drew: the behaviour policy's,
     # also when it is a step behind (off_policy_steps=1), so the losses' ratio corrects for it.
     minibatches = self._minibatches(batch.for_update(), len(samples))
-    policy_lr = learner.learning_rate(self.config.policy_optim, step - 1)
-    critic_lr = (learner.learning_rate(self.config.critic_optim, step - 1) if self.critic
+    c, o = self.config, self.config.optim
+    policy_lr = learner.learning_rate(o, o.actor_lr, c.total_steps, step - 1)
+    critic_lr = (learner.learning_rate(o, o.critic_lr, c.total_steps, step - 1) if self.critic
                  else None)
     update_metrics = self._update(minibatches, policy_lr, critic_lr)
     train_seconds = time.perf_counter() - start
@@ -232,9 +229,9 @@ class AlgorithmStep:
     and the sampler-learner mismatch (`rl.mismatch`; {} without the policy's pass). The
     policy's, value and reference passes run in micro-batches of the update's rows; with
     `rl.old_logprobs=learner` the policy's log-probs become the ratio's old ones."""
-    c, cfg = self.config, self.loss_cfg
-    batch = self.collate(samples, c.micro_multiple * c.num_minibatches)
-    micro_rows = batch.rows // (c.num_minibatches * c.grad_accum)
+    c, o, cfg = self.config, self.config.optim, self.loss_cfg
+    batch = self.collate(samples, c.micro_multiple * o.num_minibatches)
+    micro_rows = batch.rows // (o.num_minibatches * o.grad_accum)
     mismatch_metrics = {}
     if cfg.learner_logprobs_pass:
       learner_logprobs_bt = self.policy.apply_in_micro_batches(
@@ -260,11 +257,11 @@ class AlgorithmStep:
   def _minibatches(self, batch: TrainBatch, real_rows: int) -> list[TrainBatch]:
     """One epoch's mini-batches: `num_minibatches` equal ones, or in thinking mode the first
     `real_rows` (this host's samples) in mini-batches of the step's dialogue count."""
-    c = self.config
+    c, o = self.config, self.config.optim
     if not c.thinking:
-      return batch_lib.split(batch, c.num_minibatches)
+      return batch_lib.split(batch, o.num_minibatches)
     return batch_lib.chunks(batch.select_rows(0, real_rows),
-                            -(-c.dialogues // c.num_minibatches), c.micro_multiple)
+                            -(-c.dialogues // o.num_minibatches), c.micro_multiple)
 
   def _update(self, minibatches: list[TrainBatch], policy_lr: float,
               critic_lr: float | None) -> list[dict]:
@@ -272,12 +269,12 @@ class AlgorithmStep:
     metrics, fetched from the device once at the end."""
     policy, critic, turns = self.policy, self.critic, self.turns
     update_metrics = []
-    for epoch in range(self.config.ppo_epochs):
+    for epoch in range(self.config.optim.ppo_epochs):
       for index, minibatch in enumerate(minibatches):
         if self.loss_cfg.first_update_takes_own_logprobs:  # its weights alone are unmoved
           minibatch = minibatch.replace(
               old_is_own_b=np.full(minibatch.rows, epoch == index == 0, np.bool_))
-        micro_batches = batch_lib.split(minibatch, self.config.grad_accum)
+        micro_batches = batch_lib.split(minibatch, self.config.optim.grad_accum)
         with turns.turn():
           m = policy.update(micro_batches, learning_rate=policy_lr)
           if critic is not None:

@@ -31,14 +31,6 @@ from rlver_jax import workdir as workdir_lib
 from sim_user.simulator import SimulatedUser
 
 
-def optim_config(config, lr: float) -> learner_lib.AdamWConfig:
-  """One learner's AdamW: the `optim` section's schedule over `steps`, at rate `lr`."""
-  o = config.optim
-  return learner_lib.AdamWConfig(
-      lr=lr, warmup_steps=o.warmup_steps, schedule=o.schedule, total_steps=config.steps,
-      weight_decay=o.weight_decay, grad_clip=o.grad_clip)
-
-
 def _system_prompt(setting: str, knob: str, language: str, thinking: bool) -> str:
   """The policy's system prompt for a preset name or literal text, logged once."""
   prompt = system_prompts.resolve(setting, language=language, thinking=thinking)
@@ -54,15 +46,13 @@ def train_rollout_config(config) -> RolloutConfig:
 
 
 def eval_rollout_config(config) -> RolloutConfig:
-  """The `eval` section's decoding as a rollout: one dialogue per profile, no token budget,
-  the benchmark's settings."""
+  """A rollout that decodes as the `eval` section (its system prompt resolved to the text):
+  one dialogue per profile, no token budget."""
   e = config.eval
-  return RolloutConfig(
-      samples_per_profile=1,
+  return RolloutConfig.decoding_as(
+      e, samples_per_profile=1, max_dialogue_tokens=10**9,
       system_prompt=_system_prompt(e.system_prompt, "eval.system_prompt",
-                                   config.sim_user.language, e.thinking),
-      thinking=e.thinking, max_new_tokens=e.max_new_tokens, max_dialogue_tokens=10**9,
-      temperature=e.temperature, top_p=e.top_p, top_k=e.top_k, engine=e.engine)
+                                   config.sim_user.language, e.thinking))
 
 
 def simulated_user(config, mesh: Mesh | None) -> SimulatedUser:
@@ -132,9 +122,7 @@ def run_meshes(config, kv_heads: int, hosts_per_group: int, devices=None,
 class Learners:
   """The learners a training step updates or reads (`rl.step.AlgorithmStep`)."""
   policy: learner_lib.Learner
-  policy_optim: learner_lib.AdamWConfig
   critic: learner_lib.Learner | None  # PPO only
-  critic_optim: learner_lib.AdamWConfig | None
   reference: learner_lib.Learner | None  # with a KL penalty only
 
 
@@ -144,22 +132,19 @@ def learners(config, make_model, mesh: Mesh, *, abstract: bool = False) -> Learn
   checkpoint (the trainer) or abstract (`nnx.eval_shape`, the planner, with `abstract`:
   `Learner.abstract` then places abstract arrays). The reference is frozen, without remat."""
   make = learner_lib.Learner.abstract if abstract else learner_lib.Learner
-  remat = config.policy.remat_name
-  policy_optim = optim_config(config, config.optim.actor_lr)
+  remat, optim = config.policy.remat_name, config.optim
   policy_loss = functools.partial(updates.policy_loss, temperature=config.rollout.temperature)
   policy = make(make_model(qwen2.Qwen2, "policy", remat),
-                learner_lib.make_optimizer(policy_optim), policy_loss, config.rl, mesh)
-  critic = critic_optim = None
+                learner_lib.make_optimizer(optim, optim.actor_lr), policy_loss, config.rl, mesh)
+  critic = None
   if config.rl.uses_critic:
-    critic_optim = optim_config(config, config.optim.critic_lr)
     critic = make(make_model(qwen2.Qwen2Value, "critic", remat),
-                  learner_lib.make_optimizer(critic_optim), updates.critic_loss, config.rl, mesh,
-                  metric_prefix="critic_")
+                  learner_lib.make_optimizer(optim, optim.critic_lr), updates.critic_loss,
+                  config.rl, mesh, metric_prefix="critic_")
   reference = None
   if config.rl.uses_reference:
     reference = make(make_model(qwen2.Qwen2, "reference", "none"), mesh=mesh)
-  return Learners(policy=policy, policy_optim=policy_optim, critic=critic,
-                  critic_optim=critic_optim, reference=reference)
+  return Learners(policy=policy, critic=critic, reference=reference)
 
 
 @dataclasses.dataclass
@@ -206,16 +191,15 @@ def training_models(config, policy_path: str, hosts: multihost.Hosts,
 
 def algorithm_step(config, models: TrainingModels, hosts: multihost.Hosts,
                    turns) -> step_lib.AlgorithmStep:
-  """The PPO/GRPO step of `models`' learners: their updates' schedule, and the global batch
-  collated over `hosts`; `turns` (`off_policy.DeviceTurns`) shares the devices with a
-  rollout collected beside the update."""
-  o, learner_set = config.optim, models.learners
+  """The PPO/GRPO step of `models`' learners: the `optim` section's updates and schedule over
+  the run's steps, and the global batch collated over `hosts`; `turns`
+  (`off_policy.DeviceTurns`) shares the devices with a rollout collected beside the update."""
+  learner_set = models.learners
   step_config = step_lib.StepConfig(
-      ppo_epochs=o.ppo_epochs, num_minibatches=o.num_minibatches, grad_accum=o.grad_accum,
+      optim=config.optim, total_steps=config.steps,
       data_parallel=hosts.train_data_parallel_size, thinking=config.rollout.thinking,
       dialogues=config.batch_size * config.rollout.samples_per_profile,
-      max_skipped_updates=config.max_skipped_updates, policy_optim=learner_set.policy_optim,
-      critic_optim=learner_set.critic_optim, temperature=config.rollout.temperature)
+      max_skipped_updates=config.max_skipped_updates, temperature=config.rollout.temperature)
   pad_id = models.tokenizer.pad_token_id or 0
   return step_lib.AlgorithmStep(
       learner_set.policy, learner_set.critic, learner_set.reference, config.rl, step_config,

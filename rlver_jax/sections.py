@@ -2,10 +2,10 @@
 
 A run's config is a tree of typed sections (`infra/config_section.py`): the
 room that uses a section defines it (`rl.losses.RLConfig`,
-`rl.rollout_config.RolloutConfig`, `sim_user.config.SimUserConfig`), and this
-module defines the wiring's own (mesh, policy, optimizer, checkpoints,
-evaluation, retention) and assembles them into `TrainRun`, `EvalRun` and
-`RetentionRun`. The files in `configs/` are ml-collections configs built from
+`rl.rollout_config.RolloutConfig`, `rl.learner.OptimConfig`,
+`sim_user.config.SimUserConfig`), and this module defines the wiring's own (mesh,
+policy, checkpoints, evaluation, retention) and assembles them into `TrainRun`, `EvalRun` and
+`RetentionRun`, each a `RunBase` (workdir, seed, compilation cache, mesh). The files in `configs/` are ml-collections configs built from
 these defaults (`config_dict`), overriding only what a recipe changes; an
 entry point reads one back as its typed run (`train_run`, `eval_run`,
 `retention_run`), which checks every section at start-up and names each field
@@ -26,11 +26,11 @@ import ml_collections
 from infra.config_section import Problems, Section, at_least, positive, share
 from infra.errors import UserInputError
 from rl import system_prompts
+from rl.learner import OptimConfig
 from rl.losses import RLConfig
-from rl.rollout_config import RolloutConfig, check_sampling
+from rl.rollout_config import DecodingConfig, RolloutConfig
 from sim_user.config import SimUserConfig
 
-LR_SCHEDULES = ("constant", "cosine")
 RETENTION_TASKS = ("math", "ifeval")  # rlver_jax/retention.py scores each
 
 
@@ -130,41 +130,6 @@ class TrainSimUserConfig(SimUserConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class OptimConfig(Section):
-  """The `optim` section: AdamW for the policy and the critic, and the updates' schedule.
-
-  Attributes:
-    actor_lr: the policy's learning rate (AdamW).
-    critic_lr: the critic's learning rate (PPO).
-    warmup_steps: steps of linear learning-rate warm-up from 0.
-    schedule: after warm-up: constant | cosine (decays to 0 at `steps`).
-    weight_decay: AdamW weight decay.
-    grad_clip: global gradient norm clip.
-    ppo_epochs: passes over a step's batch.
-    num_minibatches: updates per pass (the batch split in this many).
-    grad_accum: micro-batches accumulated per update (memory, not maths).
-  """
-  actor_lr: float = 1e-6
-  critic_lr: float = 5e-6
-  warmup_steps: int = 50
-  schedule: str = "constant"
-  weight_decay: float = 0.01
-  grad_clip: float = 1.0
-  ppo_epochs: int = 1
-  num_minibatches: int = 1
-  grad_accum: int = 1
-
-  def check(self, p: Problems) -> None:
-    p.require("actor_lr", positive, "must be > 0")
-    p.one_of("schedule", LR_SCHEDULES)
-    p.require("warmup_steps", at_least(0), "must be >= 0")
-    p.require("grad_clip", positive, "must be > 0")
-    p.require("ppo_epochs", at_least(1), "must be >= 1")
-    p.require("num_minibatches", at_least(1), "must be >= 1")
-    p.require("grad_accum", at_least(1), "must be >= 1")
-
-
-@dataclasses.dataclass(frozen=True)
 class CheckpointConfig(Section):
   """The `checkpoint` section. Saving is asynchronous (the files are written while the next
   step runs). A 7B PPO state (policy, critic, Adam moments) is ~180 GB, so the recipes save
@@ -195,24 +160,42 @@ def _check_system_prompt(p: Problems, field: str, setting: str, language: str) -
 
 
 @dataclasses.dataclass(frozen=True)
-class TrainRun(Section):
+class RunBase(Section):
+  """What every run has: where it writes, its seed, its compilation cache and its mesh.
+
+  Attributes:
+    workdir: where the run writes (W): training its checkpoints, metrics and dialogues,
+      evaluation its records (both resume from them), retention its answers and scores.
+    seed: every random draw: the policy's sampling (none at temperature 0), a flax
+      simulator's, and in training the profile order and the tiny policy's initialisation.
+    compile_cache_dir: compiled programs are kept here for the next run (on a pod: a path
+      every host reads); "": off.
+    mesh: the device mesh (evaluation and retention: each host runs its own share on its
+      devices).
+  """
+  workdir: str = ""
+  seed: int = 0
+  compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)
+  mesh: MeshConfig = MeshConfig()
+
+  def check(self, p: Problems) -> None:
+    p.given("workdir", "--config.workdir=DIR")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainRun(RunBase):
   """A training run (`python -m rlver_jax.main`): the PPO recipe's settings by default.
 
   `batch_size` counts profiles per step, as verl's batch size counts prompts: a
   step runs batch_size x rollout.samples_per_profile dialogues.
 
   Attributes:
-    workdir: where the run writes checkpoints, metrics and dialogues (W); resumes from it.
-    seed: profile order, sampling draws, the tiny policy's initialisation.
     steps: training steps (each: rollout, then updates).
     batch_size: profiles per step; dialogues = batch_size x rollout.samples_per_profile.
     log_every: steps between progress lines in the log.
     log_dialogues_every: steps between whole dialogues in W/dialogues.jsonl (0: never).
     max_skipped_updates: non-finite steps tolerated before the run stops.
     resume_mismatch_ok: resume even though the config differs from W/config.json.
-    compile_cache_dir: compiled programs are kept here for the next run (on a pod: a path
-      every host reads); "": off.
-    mesh: the device mesh.
     policy: the policy trained.
     critic: PPO's value model.
     data: the training profiles.
@@ -222,16 +205,12 @@ class TrainRun(Section):
     optim: the optimizers and the updates' schedule.
     checkpoint: when the run saves, and what it keeps.
   """
-  workdir: str = ""
-  seed: int = 0
   steps: int = 1000
   batch_size: int = 32
   log_every: int = 1
   log_dialogues_every: int = 20
   max_skipped_updates: int = 10
   resume_mismatch_ok: bool = False
-  compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)
-  mesh: MeshConfig = MeshConfig()
   policy: PolicyConfig = PolicyConfig()
   critic: CriticConfig = CriticConfig()
   data: DataConfig = DataConfig()
@@ -242,7 +221,7 @@ class TrainRun(Section):
   checkpoint: CheckpointConfig = CheckpointConfig()
 
   def check(self, p: Problems) -> None:
-    p.given("workdir", "--config.workdir=DIR")
+    super().check(p)
     if self.policy.tiny_init and self.policy.checkpoint:
       p.add(f"policy.checkpoint={self.policy.checkpoint!r} with policy.tiny_init=True (the "
             "demo's own tiny policy): pass --config.policy.tiny_init=False to train that "
@@ -280,8 +259,9 @@ class TrainRun(Section):
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalConfig(Section):
-  """The `eval` section: the Sentient Benchmark's dialogues and how the policy decodes them.
+class EvalConfig(DecodingConfig):
+  """The `eval` section: the Sentient Benchmark's dialogues and how the policy decodes them
+  (the `DecodingConfig` fields, greedy by default).
 
   Attributes:
     profiles: the profiles: RLVER's test_profile.jsonl (100, with first_talk).
@@ -290,28 +270,16 @@ class EvalConfig(Section):
     batch_size: dialogues run side by side.
     limit: the first N profiles only (0: all).
     min_scored_share: fewer profiles scored (the rest failed in the simulator): error.
-    thinking: the policy reasons in <think>...</think> before each reply.
-    system_prompt: the policy's system prompt: a preset of rl/system_prompts.py ("rlver": the
-      paper's prompt for eval.thinking and sim_user.language; "sage": SAGE's prompt for
-      tested models) or the prompt itself.
     max_new_tokens: the policy's tokens per reply; thinking: the training budget.
     temperature: 0, greedy: the score does not depend on a seed.
-    top_p: nucleus sampling (1: off).
-    top_k: top-k sampling (0: off).
-    engine: continuous (rl/engine.py) | lockstep (rl/lockstep.py).
   """
   profiles: str = ""
   baseline_checkpoint: str = ""
   batch_size: int = 16
   limit: int = 0
   min_scored_share: float = 0.9
-  thinking: bool = False
-  system_prompt: str = "rlver"
   max_new_tokens: int = 1024
   temperature: float = 0.0
-  top_p: float = 1.0
-  top_k: int = 0
-  engine: str = "continuous"
 
   def check(self, p: Problems) -> None:
     p.given("profiles", "--config.eval.profiles=FILE.jsonl (RLVER's test_profile.jsonl for "
@@ -319,7 +287,7 @@ class EvalConfig(Section):
     p.require("batch_size", at_least(1), "must be >= 1")
     p.require("limit", at_least(0), "must be >= 0 (0: every profile)")
     p.require("min_scored_share", share, "must be a share in [0, 1]")
-    check_sampling(p, greedy_ok=True)
+    super().check(p)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,31 +301,22 @@ class InferencePolicyConfig(PolicyConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class EvalRun(Section):
+class EvalRun(RunBase):
   """A Sentient Benchmark evaluation (`python -m rlver_jax.eval`), SAGE's rules.
 
   Attributes:
-    workdir: where the results are written (W).
-    seed: random draws: the policy's sampling (none at temperature 0), a flax simulator's.
-    compile_cache_dir: compiled programs are kept here for the next run (on a pod: a path
-      every host reads); "": off.
     resume_mismatch_ok: resume W/results.jsonl even though the config differs.
-    mesh: the device mesh (each host runs its own dialogues on its devices).
     policy: the policy evaluated.
     sim_user: the simulated user, under the benchmark's rules.
     eval: the benchmark's profiles and the policy's decoding.
   """
-  workdir: str = ""
-  seed: int = 0
-  compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)
   resume_mismatch_ok: bool = False
-  mesh: MeshConfig = MeshConfig()
   policy: InferencePolicyConfig = InferencePolicyConfig()
   sim_user: SimUserConfig = SimUserConfig(rules="sage_benchmark", on_failure="end_failed")
   eval: EvalConfig = EvalConfig()
 
   def check(self, p: Problems) -> None:
-    p.given("workdir", "--config.workdir=DIR")
+    super().check(p)
     p.nested(self.policy, "policy").given("checkpoint", "--config.policy.checkpoint=DIR")
     _check_system_prompt(p, "eval.system_prompt", self.eval.system_prompt,
                          self.sim_user.language)
@@ -418,28 +377,19 @@ class RetentionPolicyConfig(InferencePolicyConfig):
 
 
 @dataclasses.dataclass(frozen=True)
-class RetentionRun(Section):
+class RetentionRun(RunBase):
   """A capability-retention run (`python -m rlver_jax.retention`): math or instruction
   following.
 
   Attributes:
-    workdir: where the results are written (W).
-    seed: random draws: the policy's sampling (none at temperature 0).
-    compile_cache_dir: compiled programs are kept here for the next run (on a pod: a path
-      every host reads); "": off.
-    mesh: the device mesh (each host answers its share of the items).
     policy: the policy scored.
     retention: the task, its data and the policy's decoding.
   """
-  workdir: str = ""
-  seed: int = 0
-  compile_cache_dir: str = dataclasses.field(default_factory=default_compile_cache_dir)
-  mesh: MeshConfig = MeshConfig()
   policy: RetentionPolicyConfig = RetentionPolicyConfig()
   retention: RetentionConfig = RetentionConfig()
 
   def check(self, p: Problems) -> None:
-    p.given("workdir", "--config.workdir=DIR")
+    super().check(p)
     p.nested(self.policy, "policy").given("checkpoint", "--config.policy.checkpoint=DIR")
 
 

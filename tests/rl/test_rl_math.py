@@ -486,15 +486,17 @@ def test_accumulated_micro_batches_update_like_one_big_batch(loss_name, mode):
 
 def test_learning_rate_follows_training_steps_and_the_learner_sets_it():
   import jax
-  cfg = learner.AdamWConfig(lr=1.0, warmup_steps=4, total_steps=10)
-  assert [learner.learning_rate(cfg, s) for s in range(6)] == [0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
-  cosine = learner.AdamWConfig(lr=1.0, warmup_steps=2, total_steps=10, schedule="cosine")
-  assert learner.learning_rate(cosine, 2) == 1.0 > learner.learning_rate(cosine, 6) > 0
+  cfg = learner.OptimConfig(warmup_steps=4)
+  assert [learner.learning_rate(cfg, 1.0, 10, s) for s in range(6)] == [
+      0.0, 0.25, 0.5, 0.75, 1.0, 1.0]
+  cosine = learner.OptimConfig(warmup_steps=2, schedule="cosine")
+  assert learner.learning_rate(cosine, 1.0, 10, 2) == 1.0 > learner.learning_rate(
+      cosine, 1.0, 10, 6) > 0
   with pytest.raises(ValueError, match="linear"):
-    learner.make_optimizer(learner.AdamWConfig(schedule="linear"))
+    learner.make_optimizer(learner.OptimConfig(schedule="linear"), 1.0)
   batch = _uneven_batch()
   policy = _learner(updates.policy_loss, RLConfig(),
-                    learner.make_optimizer(learner.AdamWConfig(lr=0.1, weight_decay=0.1)))
+                    learner.make_optimizer(learner.OptimConfig(weight_decay=0.1), 0.1))
   before = jax.tree.map(np.asarray, policy.params)
   policy.update([batch], learning_rate=0.0)  # warm-up's first step: nothing moves
   for a, b in zip(jax.tree.leaves(policy.params), jax.tree.leaves(before)):

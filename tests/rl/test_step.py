@@ -33,12 +33,12 @@ def _samples(count: int) -> list[Sample]:
 def test_a_grpo_step_trains_on_samples_alone_and_lists_the_programs_it_ran():
   mesh = partitioning.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, jax.devices()[:1])
   cfg = RLConfig(algorithm="grpo")
-  optim = learner.AdamWConfig(lr=1e-2)
-  policy = learner.Learner(qwen2.init_random(MODEL), learner.make_optimizer(optim),
+  optim = learner.OptimConfig(actor_lr=1e-2, warmup_steps=0, ppo_epochs=2, num_minibatches=2,
+                              grad_accum=2)
+  policy = learner.Learner(qwen2.init_random(MODEL), learner.make_optimizer(optim, 1e-2),
                            updates.policy_loss, cfg, mesh)
   before = jax.device_get(policy.params)
-  algorithm = step.AlgorithmStep(policy, None, None, cfg, step.StepConfig(
-      ppo_epochs=2, num_minibatches=2, grad_accum=2, policy_optim=optim))
+  algorithm = step.AlgorithmStep(policy, None, None, cfg, step.StepConfig(optim=optim))
   metrics = algorithm.run(1, _samples(8))
   assert metrics["updates"] == 4 and metrics["samples"] == 8  # 2 epochs x 2 mini-batches
   assert metrics["lr"] == pytest.approx(1e-2) and metrics["skipped_updates"] == 0
@@ -76,11 +76,11 @@ def _step_at_unmoved_weights(dtype, sampling_dtype, old_logprobs, correction="no
   # puts tokens outside it, as a 4-layer Qwen2-shaped one's does outside 0.2.
   cfg = RLConfig(algorithm="grpo", old_logprobs=old_logprobs, clip_ratio=0.02,
                  rollout_correction=correction)
-  optim = learner.AdamWConfig(lr=0.0)
+  optim = learner.OptimConfig(actor_lr=0.0, warmup_steps=0, num_minibatches=minibatches)
   samples = _sampled(model, sampling_dtype)
-  policy = learner.Learner(model, learner.make_optimizer(optim), updates.policy_loss, cfg, mesh)
-  algorithm = step.AlgorithmStep(policy, None, None, cfg, step.StepConfig(
-      num_minibatches=minibatches, policy_optim=optim))
+  policy = learner.Learner(model, learner.make_optimizer(optim, 0.0), updates.policy_loss, cfg,
+                           mesh)
+  algorithm = step.AlgorithmStep(policy, None, None, cfg, step.StepConfig(optim=optim))
   return algorithm.run(1, samples)
 
 

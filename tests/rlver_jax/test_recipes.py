@@ -254,7 +254,7 @@ def test_optimizer_state_is_sharded_like_the_params_on_the_shipped_mesh(tiny_che
   mesh = partitioning.make_mesh(dict(ppo.get_config().mesh))  # fsdp over all 8 devices
   model = qwen2.from_pretrained(tiny_checkpoint, dtype="bfloat16", param_dtype="float32", mesh=mesh,
                                 remat=True)
-  learner = learner_lib.Learner(model, learner_lib.make_optimizer(learner_lib.AdamWConfig()),
+  learner = learner_lib.Learner(model, learner_lib.make_optimizer(learner_lib.OptimConfig(), 1e-6),
                                 updates.policy_loss, RLConfig(), mesh)
   embed = learner.params["backbone"]["embed"].value
   assert not embed.sharding.is_fully_replicated

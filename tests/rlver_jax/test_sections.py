@@ -10,6 +10,7 @@ from configs import demo, eval as eval_config, grpo, ppo, retention
 from infra.config_section import Section
 from infra.errors import UserInputError
 from rl.losses import RLConfig
+from rl import system_prompts
 from rl.rollout_config import RolloutConfig
 from rlver_jax import builder, sections
 
@@ -93,6 +94,23 @@ def test_the_builder_passes_the_rollout_section_with_only_its_prompt_resolved():
   assert rollout.system_prompt == "You are a caring listener."
   thinking = builder.train_rollout_config(sections.train_run(demo.get_config("think")))
   assert thinking.system_prompt not in ("", "rlver")  # the preset's text
+
+
+def test_the_evaluation_decodes_as_its_section_one_dialogue_per_profile_without_a_budget():
+  config = eval_config.get_config()
+  config.eval.temperature, config.eval.top_k, config.eval.engine = 0.7, 5, "lockstep"
+  run = sections.typed(sections.EvalRun, config)
+  rollout = builder.eval_rollout_config(run)
+  assert rollout == RolloutConfig(
+      system_prompt=system_prompts.resolve("rlver", language=run.sim_user.language,
+                                           thinking=False),
+      max_new_tokens=1024, temperature=0.7, top_k=5, engine="lockstep", samples_per_profile=1,
+      max_dialogue_tokens=10**9)
+  # Greedy decoding scores the benchmark; a rollout's learner divides by its temperature.
+  assert sections.EvalConfig(profiles="p.jsonl", temperature=0.0).problems() == []
+  assert RolloutConfig(temperature=0.0).problems() == [
+      "temperature=0.0: must be > 0: the learner scores tokens under softmax(logits / "
+      "temperature)"]
 
 
 def test_a_retention_run_names_every_missing_input_and_a_bad_task_at_once():
