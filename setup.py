@@ -5,9 +5,9 @@ setup(
     version="0.1.0",
     description="RLVER (RL with verifiable emotion rewards) in JAX/Flax for TPU and GPU meshes",
     python_requires=">=3.10",
-    packages=find_packages(include=["rlver_jax*", "models*", "rl*", "sim_user*", "configs*"]),
+    packages=find_packages(include=["rlver_jax*", "infra*", "models*", "rl*", "sim_user*", "configs*"]),
     package_data={"sim_user": ["prompts/*", "data/*"], "configs": ["*.jsonl"],
-                  "models": ["assets/gpu_target_configs/*"],
+                  "infra": ["assets/gpu_target_configs/*"],
                   "rlver_jax": ["assets/*", "assets/tiny_tokenizer/*"]},
     install_requires=[
         "jax>=0.6",

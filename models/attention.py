@@ -50,8 +50,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from infra.errors import UserInputError
 from models import partitioning
-from models.errors import UserInputError
 
 Array = jax.Array
 

@@ -32,7 +32,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from models import partitioning, programs, qwen2
+from infra import programs
+from models import partitioning, qwen2
 from models.qwen2 import KVCache
 from models.sampler_weights import SamplerWeights, abstract_cache, decode_loop
 from models.sampling import (LENGTH, MIN_CACHE_BUCKET, MIN_CHUNK_BUCKET, STOP, Completions,
@@ -203,7 +204,7 @@ def generate_programs(graphdef, params, config: qwen2.Qwen2Config, mesh: Mesh, r
   chunk = bucket_size(prompt_tokens, MIN_CHUNK_BUCKET)
   capacity = bucket_size(chunk + sampling.max_new_tokens, MIN_CACHE_BUCKET)
   cache = abstract_cache(config, mesh, batch, capacity, cache_dtype, False, per_row=False)
-  on_rows = lambda shape, dtype: programs.rows(mesh, shape, dtype)
+  on_rows = lambda shape, dtype: partitioning.abstract_rows(mesh, shape, dtype)
   prefill, decode = batch_programs(graphdef, stop_token_ids, pad_id)
   scalar = lambda dtype: programs.replicated(mesh, (), dtype)
   key = programs.replicated(mesh, (), jax.eval_shape(lambda: jax.random.key(0)).dtype)

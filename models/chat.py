@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 
 Message = dict  # {"role": str, "content": str}
 

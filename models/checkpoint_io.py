@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from infra.errors import MissingInputError, UserInputError
 from models import partitioning
 from models import safetensors_io
-from models.errors import MissingInputError, UserInputError
 
 Path = tuple  # a path into an nnx state, e.g. ("backbone", "layers", "attn", "q_proj")
 

@@ -106,6 +106,11 @@ def batch_sharding(shape, mesh: Mesh) -> NamedSharding:
   return named_sharding(("batch",) + (None,) * (len(shape) - 1), shape, mesh)
 
 
+def abstract_rows(mesh: Mesh, shape, dtype) -> jax.ShapeDtypeStruct:
+  """An abstract array sharded over its leading (batch) axis, for a program's arguments."""
+  return jax.ShapeDtypeStruct(shape, dtype, sharding=batch_sharding(shape, mesh))
+
+
 def state_shardings(state: nnx.State, mesh: Mesh, rules=SHARDING_RULES):
   """`state` with each variable's value replaced by its NamedSharding under `rules`."""
 

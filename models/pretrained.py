@@ -11,9 +11,9 @@ import dataclasses
 import os
 from typing import Sequence
 
+from infra.errors import MissingInputError, UserInputError
 from models import checkpoint_io, qwen2
 from models.chat import ChatFormatter
-from models.errors import MissingInputError, UserInputError
 from models.sampler import Sampler
 
 DEFAULT_STOPS = ("<|im_end|>", "<|endoftext|>")

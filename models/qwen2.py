@@ -39,9 +39,9 @@ import jax.numpy as jnp
 from flax import nnx
 from flax import struct
 
+from infra.errors import UserInputError
 from models import attention, partitioning
 from models import checkpoint_io
-from models.errors import UserInputError
 from models.partitioning import constrain
 
 Array = jax.Array

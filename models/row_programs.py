@@ -21,7 +21,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, PartitionSpec
 
-from models import partitioning, programs, qwen2
+from infra import programs
+from models import partitioning, qwen2
 from models.qwen2 import KV_CACHE_AXES, KVCache
 from models.sampler_weights import abstract_cache, decode_loop
 from models.sampling import MIN_CACHE_BUCKET, ladder, sampler_fn
@@ -137,7 +138,7 @@ def empty_rows_program(config: qwen2.Qwen2Config, mesh: Mesh | None, rows: int, 
     return programs.Program(jax.jit(fn), (), mesh, work=programs.EmptyRows())
   cache = abstract_cache(config, mesh, rows, capacity, cache_dtype, layers_as_list,
                          per_row=True)
-  logits = programs.rows(mesh, (rows, config.vocab_size), jnp.float32)
+  logits = partitioning.abstract_rows(mesh, (rows, config.vocab_size), jnp.float32)
   shardings = jax.tree.map(lambda x: x.sharding, (cache, logits))
   return programs.Program(jax.jit(fn, out_shardings=shardings), (), mesh,
                           work=programs.EmptyRows())

@@ -16,7 +16,7 @@ from typing import Iterable, Mapping
 import ml_dtypes
 import numpy as np
 
-from models.errors import MissingInputError, UserInputError
+from infra.errors import MissingInputError, UserInputError
 
 _DTYPES = {
     "F64": np.dtype(np.float64),

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from models import group_channel, partitioning, programs, qwen2
+from infra import programs
+from models import group_channel, partitioning, qwen2
 from models.qwen2 import KV_CACHE_AXES, KVCache, Qwen2
 from models.sampling import MIN_CACHE_BUCKET, DecodeStats, bucket_size
 from models.slice_meshes import SliceMeshes
@@ -185,5 +186,5 @@ def abstract_cache(config: qwen2.Qwen2Config, mesh: Mesh | None, rows: int, capa
   kv_sharding = lambda x: partitioning.named_sharding(KV_CACHE_AXES[-x.ndim:], x.shape, mesh)
   cache = cache.map_kv(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=kv_sharding(x)))
   return cache.replace(
-      kv_positions_bs=programs.rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
+      kv_positions_bs=partitioning.abstract_rows(mesh, cache.kv_positions_bs.shape, jnp.int32),
       length=programs.replicated(mesh, cache.length.shape, jnp.int32))

@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models import host_metrics
+from infra import host_metrics
 
 MIN_CHUNK_BUCKET = 16  # the fewest tokens a prefill chunk is padded to
 MIN_CACHE_BUCKET = 256  # the fewest cache slots a cache holds or a row call attends over

@@ -33,8 +33,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from infra.errors import UserInputError
 from models import partitioning
-from models.errors import UserInputError
 
 GROUPS_AXIS = "groups"
 

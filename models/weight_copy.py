@@ -16,7 +16,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from models import partitioning, programs, qwen2, slice_meshes
+from infra import programs
+from models import partitioning, qwen2, slice_meshes
 from models.slice_meshes import SliceMeshes
 
 

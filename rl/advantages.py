@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models.registry import Registry
+from infra.registry import Registry
 from rl import losses
 from rl.batch import TrainBatch
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import jax
 
-from models import host_metrics
+from infra import host_metrics
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from models.sampling import SamplingParams

@@ -18,8 +18,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from models import partitioning, programs
-from models.config_section import Problems, Section, at_least, positive
+from infra import programs
+from infra.config_section import Problems, Section, at_least, positive
+from models import partitioning
 from rl import losses, updates
 from rl.batch import TrainBatch
 from rl.losses import RLConfig

@@ -10,7 +10,7 @@ The denominators default to this batch's; with gradient accumulation a
 (and every metric here) add up to the mini-batch's, as verl's `agg_loss` does.
 
 The aggregation modes, the KL estimators and the policy losses are registries
-(`models.registry`): a variant registers itself under its config name next to
+(`infra.registry`): a variant registers itself under its config name next to
 its code, and `RLConfig.check` accepts exactly the registered names.
 """
 
@@ -23,8 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import config_section
-from models.registry import Registry
+from infra import config_section
+from infra.registry import Registry
 
 TOKEN_MEAN = "token-mean"
 SEQ_MEAN_TOKEN_SUM = "seq-mean-token-sum"

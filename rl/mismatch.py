@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models import host_metrics
+from infra import host_metrics
 from rl.losses import LOG_RATIO_LIMIT
 
 PREFIX = "mismatch/"

@@ -24,7 +24,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from models import host_metrics
+from infra import host_metrics
 from models.chat import ChatFormatter
 from models.sampler import Sampler
 from models.sampling import SamplingParams
@@ -101,7 +101,7 @@ def collect(sampler: Sampler, formatter: ChatFormatter, user: SimulatedUser,
   return Rollout(samples=samples, dialogues=dialogues, metrics=metrics)
 
 
-# How hosts combine the metrics of `collect` and `rollout_metrics` (models/host_metrics.py): means
+# How hosts combine the metrics of `collect` and `rollout_metrics` (infra/host_metrics.py): means
 # over samples or dialogues weigh by each host's, counts sum, a step waits for the slowest host.
 host_metrics.declare({
     "reward/mean": host_metrics.weighted("samples"),

@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import ClassVar
 
-from models import config_section, partitioning
+from infra import config_section
+from models import partitioning
 from sim_user.simulator import Dialogue
 
 TOKEN_BUDGET = "token_budget"  # Dialogue.end_reason of a dialogue over max_dialogue_tokens

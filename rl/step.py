@@ -34,9 +34,10 @@ import numpy as np
 from absl import logging
 from jax.sharding import Mesh
 
-from models import host_metrics, programs
-from models.errors import RunStopped
-from models.programs import Program
+from infra import host_metrics, programs
+from infra.errors import RunStopped
+from infra.programs import Program
+from models import partitioning
 from rl import advantages as advantages_lib
 from rl import batch as batch_lib
 from rl import forward, learner, losses, mismatch, updates
@@ -79,7 +80,7 @@ def abstract_batch(mesh: Mesh, shape: StepShape, *, targets: bool) -> TrainBatch
   """A micro-batch of abstract arrays sharded over the batch axes, with the fields an update
   reads (`TrainBatch.for_update` after the advantages) where `targets`, else only the model
   inputs."""
-  rows = lambda dtype, width: programs.rows(mesh, (shape.micro_batch, width), dtype)
+  rows = lambda dtype, width: partitioning.abstract_rows(mesh, (shape.micro_batch, width), dtype)
   batch = TrainBatch(tokens_bt=rows(jnp.int32, shape.seq_len),
                      attention_mask_bt=rows(jnp.bool_, shape.seq_len))
   if not targets:
@@ -94,7 +95,8 @@ def abstract_batch(mesh: Mesh, shape: StepShape, *, targets: bool) -> TrainBatch
   if shape.is_weights:
     batch = batch.replace(is_weights_bt=target())
   if shape.old_is_own:
-    batch = batch.replace(old_is_own_b=programs.rows(mesh, (shape.micro_batch,), jnp.bool_))
+    batch = batch.replace(
+        old_is_own_b=partitioning.abstract_rows(mesh, (shape.micro_batch,), jnp.bool_))
   return batch
 
 

@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from models import host_metrics, partitioning
+from infra import host_metrics
+from models import partitioning
 from rl import forward, losses
 from rl.batch import TrainBatch
 from rl.losses import RLConfig

@@ -16,7 +16,7 @@ from ml_collections import config_flags
 from ml_collections.config_flags import config_path
 from ml_collections.config_flags.config_flags import ConfigFileFlagParser
 
-from models.errors import RunStopped, UserInputError
+from infra.errors import RunStopped, UserInputError
 from rlver_jax import compile_cache, preemption, run_config, sharding, workdir
 
 CONFIGS_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")

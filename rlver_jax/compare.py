@@ -28,7 +28,7 @@ import shutil
 
 from absl import app, flags
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import workdir as workdir_lib
 

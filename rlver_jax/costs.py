@@ -6,7 +6,7 @@ sampler's decode loop one token's), and a Pallas kernel (splash) not at all.
 The FLOP counts here are checked against XLA's on programs without loops
 (`tests/rlver_jax/test_costs.py`); bytes are estimates of the dominant traffic.
 
-Every figure is per chip for one call of a program (`models.programs.Program`,
+Every figure is per chip for one call of a program (`infra.programs.Program`,
 whose `work` says what it computes; `COST_FNS` holds one cost function per work
 type). Time is a roofline: the largest of FLOPs / peak, HBM bytes / HBM
 bandwidth and ICI bytes / ICI bandwidth, as if the three overlapped perfectly;
@@ -21,9 +21,10 @@ from typing import Callable
 
 import numpy as np
 
-from models import programs, qwen2
-from models.registry import Registry
-from models.topology import Generation
+from infra import programs
+from infra.registry import Registry
+from infra.topology import Generation
+from models import qwen2
 
 # Activation traffic of one layer, bytes per token per model-width element (read + write
 # of the residual stream, norms, projections' inputs and outputs): a rough constant.

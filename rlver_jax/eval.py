@@ -31,7 +31,7 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
-from models.errors import RunStopped
+from infra.errors import RunStopped
 from rl import keys
 from rl import rollout as rollout_lib
 from rlver_jax import builder, cli, multihost, run_config, sections, sharding, watchdog

@@ -22,9 +22,9 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
+from infra.errors import UserInputError
 from models import partitioning, pretrained
 from models.chat import ChatFormatter
-from models.errors import UserInputError
 from models.sampling import SamplingParams
 from rl import keys
 from rlver_jax import builder, sharding

@@ -8,7 +8,7 @@ import os
 
 from absl import logging
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 
 TB_EVENTS_PREFIX = "events.out.tfevents"
 CURVE_KEYS = ("reward/mean", "emotion/final_mean", "success_rate", "replies/garbled_rate")

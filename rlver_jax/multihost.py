@@ -23,7 +23,7 @@ Design (the one Tunix and verl follow in their own ways):
   computation of `rl/` unchanged and host-count independent, for one
   all-gather of int32 tokens per step.
 - Metrics are reduced over hosts (`Hosts.reduce_metrics`), each as its maker
-  declared (`models/host_metrics.py`), and written by process 0; Orbax
+  declared (`infra/host_metrics.py`), and written by process 0; Orbax
   checkpoints are written by all hosts together.
 
 With one process every method is the identity of the single-host path. What stops
@@ -42,7 +42,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
-from models import host_metrics, partitioning
+from infra import host_metrics
+from models import partitioning
 from models.sampling import bucket_size
 from models.slice_meshes import SliceMeshes
 from rl import batch as batch_lib
@@ -190,7 +191,7 @@ class Hosts:
     return self.reduce_metrics(metrics, counts)
 
   def reduce_metrics(self, metrics: dict, counts: dict) -> dict:
-    """Metrics over all hosts, each by the reduction its maker declared (`models/host_metrics.py`);
+    """Metrics over all hosts, each by the reduction its maker declared (`infra/host_metrics.py`);
     `counts`: this host's samples, dialogues, ... that weighted metrics weigh by.
 
     With one host too a metric without a declared reduction raises: a new metric

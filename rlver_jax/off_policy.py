@@ -33,7 +33,7 @@ from typing import Any, Callable
 import jax
 from absl import logging
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 
 CANCEL_WAIT_S = 120.0  # how long a stop waits for a cancelled rollout's last call to return
 

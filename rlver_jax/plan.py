@@ -47,7 +47,7 @@ def _flag_from_argv(argv, name: str) -> str:
 
 
 if __name__ == "__main__" and _flag_from_argv(sys.argv, "topology"):
-  from models import topology as _topology  # the deviceless compiler's environment
+  from infra import topology as _topology  # the deviceless compiler's environment
   _topology.prepare_environment(_flag_from_argv(sys.argv, "topology"))
 
 if __name__ == "__main__" and int(_flag_from_argv(sys.argv, "fake_devices") or 0):
@@ -69,10 +69,11 @@ from absl import app, flags  # noqa: E402
 from flax import nnx  # noqa: E402
 from jax.sharding import NamedSharding  # noqa: E402
 
-from models import attention, batch_sampler, group_channel, partitioning, programs  # noqa: E402
-from models import qwen2, row_programs, row_sampler, topology, weight_copy  # noqa: E402
-from models.errors import UserInputError  # noqa: E402
-from models.programs import Program  # noqa: E402
+from infra import programs, topology  # noqa: E402
+from infra.errors import UserInputError  # noqa: E402
+from infra.programs import Program  # noqa: E402
+from models import attention, batch_sampler, group_channel, partitioning  # noqa: E402
+from models import qwen2, row_programs, row_sampler, weight_copy  # noqa: E402
 from models.sampling import MIN_CACHE_BUCKET, SamplingParams, bucket_size  # noqa: E402
 from rl import engine, step  # noqa: E402
 from rl.rollout_config import AUTO  # noqa: E402

@@ -24,7 +24,7 @@ import threading
 
 from absl import logging
 
-from models.errors import RunStopped
+from infra.errors import RunStopped
 
 PREEMPTED_EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: a temporary failure; run again to resume
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

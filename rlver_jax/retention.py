@@ -28,8 +28,8 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
+from infra.errors import UserInputError
 from models.sampling import SamplingParams
-from models.errors import UserInputError
 from rl import keys
 from rlver_jax import builder, cli, multihost, sections, sharding, watchdog
 from rlver_jax import workdir as workdir_lib

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import host_metrics
+from infra import host_metrics
 from rl import keys
 from rl import rollout as rollout_lib
 from rl.rollout_config import RolloutConfig
@@ -48,7 +48,7 @@ class ProfileOrder:
 
 
 # How hosts combine the metrics `Collected.metrics` adds to its rollout's
-# (models/host_metrics.py).
+# (infra/host_metrics.py).
 host_metrics.declare({
     "tokens_per_s": host_metrics.ratio("tokens/generated", "time/rollout"),
     "rollout/policy_lag": host_metrics.MEAN, "rollout/wait_s": host_metrics.MAX})

@@ -15,7 +15,7 @@ import os
 import ml_collections
 from absl import logging
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rlver_jax import workdir as workdir_lib
 from sim_user import redact
 

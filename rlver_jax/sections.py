@@ -1,6 +1,6 @@
 """The typed config of every run: its sections, their defaults, meanings and checks.
 
-A run's config is a tree of typed sections (`models/config_section.py`): the
+A run's config is a tree of typed sections (`infra/config_section.py`): the
 room that uses a section defines it (`rl.losses.RLConfig`,
 `rl.rollout_config.RolloutConfig`, `rl.learner.OptimConfig`,
 `sim_user.config.SimUserConfig`), and this module defines the wiring's own (mesh,
@@ -23,8 +23,8 @@ import typing
 
 import ml_collections
 
-from models.config_section import Problems, Section, at_least, positive, share
-from models.errors import UserInputError
+from infra.config_section import Problems, Section, at_least, positive, share
+from infra.errors import UserInputError
 from rl import system_prompts
 from rl.learner import OptimConfig
 from rl.losses import RLConfig

@@ -10,7 +10,7 @@ import os
 import jax
 from absl import logging
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 
 
 def maybe_initialize_distributed(force: bool = False) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from models.sampling import SamplingParams
 from rl import keys
 from sim_user import dynamics

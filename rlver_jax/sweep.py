@@ -35,7 +35,7 @@ import time
 
 from absl import app, flags
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rlver_jax import cli, compare, preemption, sections, workdir as workdir_lib
 
 TRAIN_MODULE = "rlver_jax.main"

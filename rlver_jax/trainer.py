@@ -18,7 +18,8 @@ import jax
 from absl import logging
 from tqdm import tqdm
 
-from models import host_metrics, pretrained, qwen2
+from infra import host_metrics
+from models import pretrained, qwen2
 from rl import rollout as rollout_lib
 from rl.step import TrainingError
 from rlver_jax import builder, compile_cache, dialogue_log
@@ -33,7 +34,7 @@ from sim_user import profiles as profiles_lib
 # a few seconds of drawing against steps of seconds (the demo) to minutes (the recipes).
 PLOT_EVERY_STEPS = 5
 
-# How hosts combine the metric a step adds to its rollout's and updates' (models/host_metrics.py).
+# How hosts combine the metric a step adds to its rollout's and updates' (infra/host_metrics.py).
 host_metrics.declare({"untrained/simulator": host_metrics.MEAN})
 
 

@@ -30,7 +30,7 @@ import tempfile
 
 from absl import logging
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 
 LOCK_FILE = "run.lock"
 # sysexits' EX_CANTCREAT: the run cannot create its outputs where the user asked, and freeing

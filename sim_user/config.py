@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import urllib.parse
 
-from models import config_section
+from infra import config_section
 from sim_user import dynamics, redact, templates
 from sim_user.simulator import DROP, END_FAILED
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 from absl import logging
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from sim_user.jsonl import iter_jsonl
 
 DEMO_PROFILES = os.path.join(os.path.dirname(__file__), "data", "demo_profiles.jsonl")

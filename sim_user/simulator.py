@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 
 from absl import logging
 
-from models import host_metrics
+from infra import host_metrics
 from sim_user import dynamics, parser
 from sim_user.backends.base import OPENING, PLANNING, REPLY, Backend, BackendError, SimRequest
 from sim_user.profiles import Profile
@@ -72,7 +72,7 @@ class Dialogue:
 
 class SimulatedUser:
 
-  # Its event counters (`metrics`, sim/...) sum over hosts (models/host_metrics.py).
+  # Its event counters (`metrics`, sim/...) sum over hosts (infra/host_metrics.py).
   host_metrics.declare_family("sim/", host_metrics.SUM)
 
   def __init__(self, backend: Backend, emotion_rules: dynamics.EmotionRules, prompts: PromptSet, *,

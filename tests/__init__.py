@@ -1,6 +1,6 @@
-"""The test suite. Its folders mirror the package rooms: tests/models/ tests models/,
-tests/rl/ rl/, tests/sim_user/ sim_user/, tests/rlver_jax/ rlver_jax/ with configs/ and the
-CLIs; the helpers shared by several rooms sit here, at its root."""
+"""The test suite. Its folders mirror the package rooms: tests/infra/ tests infra/,
+tests/models/ models/, tests/rl/ rl/, tests/sim_user/ sim_user/, tests/rlver_jax/ rlver_jax/
+with configs/ and the CLIs; the helpers shared by several rooms sit here, at its root."""
 
 import os
 

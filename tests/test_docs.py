@@ -29,7 +29,7 @@ import shlex
 
 import pytest
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rlver_jax import cli, sweep
 from tests import ROOT
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol, Sequence
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from sim_user.profiles import Profile
 
 OPENING = "opening"

@@ -34,7 +34,7 @@ from typing import Sequence
 
 from absl import logging
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from sim_user.backends.base import BackendError, SimRequest, SimulatorUnavailable
 from sim_user.redact import api_key_env_error, is_env_var_name, redact
 

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from infra.errors import UserInputError
 from models import attention
-from models.errors import UserInputError
 
 
 def _inputs(b, t, s, n, k, h=8, seed=0, dtype=jnp.float32):
@@ -231,7 +231,8 @@ def test_paged_decode_equals_einsum_in_pallas_interpret_mode(stacked, axes):
 def test_paged_decode_serves_single_token_steps_on_per_row_caches_on_tpu_only():
   lengths = jnp.zeros((2,), jnp.int32)
   assert not attention.decodes_paged("auto", 1, 128, lengths)  # this CPU
-  from models import partitioning, topology
+  from infra import topology
+  from models import partitioning
   try:
     devices = topology.slice_devices(topology.parse_accelerator_type("v5p-8"))
   except UserInputError as e:

@@ -14,9 +14,9 @@ import torch
 import transformers
 from flax import nnx
 
+from infra.errors import UserInputError
 from models import attention as attention_lib
 from models import qwen2
-from models.errors import UserInputError
 from tests.hf_fixtures import hf_logits, make_hf_qwen2
 
 # bf16 against the fp32 reference: max abs logit diff at most this share of

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rlver_jax import cli, fields
 from tests.cli_run import last_line_only_error, run_module
 

@@ -11,9 +11,9 @@ import typing
 import jax
 import pytest
 
-from models import programs as model_programs
+from infra import programs as model_programs
+from infra.topology import GENERATIONS
 from models import qwen2
-from models.topology import GENERATIONS
 from rlver_jax import costs, plan
 
 MODEL = qwen2.Qwen2Config(vocab_size=2048, hidden_size=512, intermediate_size=1536,

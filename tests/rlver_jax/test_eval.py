@@ -5,10 +5,10 @@ import json
 import pytest
 
 from configs import eval as eval_config
+from infra.errors import UserInputError
+from rl import rollout as rollout_lib
 from rlver_jax import eval as evaluator
 from rlver_jax import metrics as metrics_lib
-from rl import rollout as rollout_lib
-from models.errors import UserInputError
 from sim_user import dynamics, profiles, replay
 
 

@@ -8,8 +8,8 @@ import struct
 import numpy as np
 import pytest
 
+from infra.errors import MissingInputError, UserInputError
 from models import checkpoint_io, safetensors_io
-from models.errors import MissingInputError, UserInputError
 from models import pretrained
 from rlver_jax import plan, retention, tiny
 from sim_user import profiles

@@ -14,7 +14,8 @@ import jax
 import numpy as np
 import pytest
 
-from models import host_metrics, qwen2
+from infra import host_metrics
+from models import qwen2
 from models.sampler import Sampler
 from models.sampling import SamplingParams
 from rl import updates

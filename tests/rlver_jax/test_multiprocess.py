@@ -30,7 +30,7 @@ def test_processes_started_by_hand_form_one_group():
 
 
 def test_a_launch_by_hand_names_the_missing_variable(monkeypatch):
-  from models.errors import UserInputError
+  from infra.errors import UserInputError
   from rlver_jax import sharding
   monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "127.0.0.1:1")
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")

@@ -15,7 +15,7 @@ import pytest
 
 from bench.rollout import LatencyServer
 from configs import demo, grpo, ppo
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rl import advantages as advantages_lib
 from rl import forward
 from rl import rollout as rollout_lib

@@ -25,9 +25,10 @@ import pytest
 
 from configs import eval as eval_config
 from configs import grpo, ppo
+from infra.errors import UserInputError
 from models import partitioning, qwen2
+from models import pretrained
 from models.chat import ChatFormatter
-from models.errors import UserInputError
 from models.sampling import LENGTH, STOP, Completions, DecodeStats
 from rl import learner as learner_lib
 from rl import system_prompts, updates
@@ -36,7 +37,6 @@ from rl.losses import RLConfig
 from rlver_jax import sections
 from rlver_jax import eval as evaluator
 from rlver_jax import metrics as metrics_lib
-from models import pretrained
 from rlver_jax import retention, tiny, trainer
 from sim_user import profiles
 from tests import ROOT, cli_run

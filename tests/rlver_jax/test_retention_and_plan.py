@@ -14,8 +14,8 @@ from flax import nnx
 
 from configs import ppo as configs_ppo
 from configs import retention as retention_config
+from infra.errors import UserInputError
 from models import partitioning, qwen2
-from models.errors import UserInputError
 from rlver_jax import plan, retention, tiny
 from tests import ROOT, cli_run
 

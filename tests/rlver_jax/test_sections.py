@@ -7,8 +7,8 @@ import typing
 import pytest
 
 from configs import demo, eval as eval_config, grpo, ppo, retention
-from models.config_section import Section
-from models.errors import UserInputError
+from infra.config_section import Section
+from infra.errors import UserInputError
 from rl.losses import RLConfig
 from rl import system_prompts
 from rl.rollout_config import RolloutConfig

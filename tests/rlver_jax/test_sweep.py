@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rlver_jax import compare, preemption, sweep
 from tests import ROOT, processes
 from tests.runs import read_metrics

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from configs import ppo, grpo
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rlver_jax import metrics as metrics_lib
 from rlver_jax import run_config, simulator_guard, trainer
 from sim_user import profiles as profiles_lib

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from configs import demo
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rlver_jax import run_config, sections, workdir
 from tests import ROOT
 from tests import cli_run

@@ -138,7 +138,7 @@ class DeadBackend:
 
 def test_config_defaults_drop_failed_training_dialogues_and_list_failed_evaluations():
   from configs import eval as eval_config, ppo
-  from models.errors import UserInputError
+  from infra.errors import UserInputError
   from rlver_jax import simulator_factory
   train_cfg, eval_cfg = ppo.get_config().sim_user, eval_config.get_config().sim_user
   assert (train_cfg.on_failure, eval_cfg.on_failure) == ("drop", "end_failed")

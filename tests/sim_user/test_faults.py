@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 from rlver_jax import tiny
 from sim_user import dynamics, profiles, templates
 from sim_user.backends.base import BackendError, SimulatorUnavailable

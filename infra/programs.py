@@ -15,8 +15,6 @@ from typing import Any, Callable, ClassVar
 import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import partitioning
-
 GIB = 2 ** 30
 
 
@@ -132,11 +130,6 @@ def abstract(tree, shardings):
   """Abstract arrays of `tree`'s shapes and dtypes, placed by `shardings` (a like tree)."""
   return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                       tree, shardings)
-
-
-def rows(mesh: Mesh, shape, dtype) -> jax.ShapeDtypeStruct:
-  """An abstract array sharded over its leading (batch) axis."""
-  return jax.ShapeDtypeStruct(shape, dtype, sharding=partitioning.batch_sharding(shape, mesh))
 
 
 def replicated(mesh: Mesh, shape, dtype) -> jax.ShapeDtypeStruct:

@@ -9,7 +9,7 @@ compile with the real TPU compiler, deviceless (as MaxText's
 
 `h100-8`, `h200-16` (8 GPUs a host) do the same for NVIDIA GPUs through the
 CUDA plugin (`pip install -e .[gpu]`), given XLA's target description of the
-GPU (`models/assets/gpu_target_configs`); no GPU or driver is needed. Without
+GPU (`infra/assets/gpu_target_configs`); no GPU or driver is needed. Without
 a device there is no autotuning: the compiled kernels are XLA's defaults, so
 memory and kernels are the GPU's, speed is not.
 
@@ -24,7 +24,7 @@ import math
 import os
 import re
 
-from models.errors import UserInputError
+from infra.errors import UserInputError
 
 _TARGET_CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets",
                                "gpu_target_configs")

@@ -90,7 +90,7 @@ def reduction(name: str) -> Reduction:
   if prefix is None:
     raise UndeclaredMetric(
         f"metric {name!r} has no declared host reduction: declare it where it is made "
-        "(models.host_metrics.declare) as SUM, MAX, MEAN, weighted(count) or ratio(...)")
+        "(infra.host_metrics.declare) as SUM, MAX, MEAN, weighted(count) or ratio(...)")
   how = _FAMILIES[prefix]
   if how.kind == Kind.WEIGHTED:
     return weighted(how.weight + name[len(prefix):])
