@@ -2,7 +2,7 @@
 
 The code that runs a program (the sampler, a learner) also lists it as a
 `Program`, with `jax.ShapeDtypeStruct` arguments that carry their shardings,
-so `rlver_jax/plan.py` compiles exactly what a run compiles, for any devices
+so `rlver_jax/plan/` compiles exactly what a run compiles, for any devices
 (fake CPU devices, or a TPU slice without a TPU), with no memory behind it.
 """
 

@@ -14,7 +14,7 @@ a device there is no autotuning: the compiled kernels are XLA's defaults, so
 memory and kernels are the GPU's, speed is not.
 
 `GENERATIONS` holds each generation's published per-chip figures, the
-assumptions of every time estimate (`rlver_jax/plan.py`).
+assumptions of every time estimate (`rlver_jax/plan/`).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def parse_accelerator_type(name: str) -> Slice:
 
 
 def prepare_environment(accelerator_type: str) -> None:
-  """Environment for compiling deviceless, set before JAX starts (`rlver_jax/plan.py`)."""
+  """Environment for compiling deviceless, set before JAX starts (`rlver_jax/plan/__main__.py`)."""
   # Compiling needs no TPU, so planners may run side by side (libtpu otherwise locks itself
   # to one process per machine).
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

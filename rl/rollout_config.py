@@ -84,7 +84,7 @@ class RolloutConfig(DecodingConfig):
     sampler_hosts: hosts that sample on one mesh (a sampler group): 1 (each host its own),
       2, 4, ... (a group's lowest host runs its dialogues and the simulator calls, the
       others dispatch the same programs; dialogues are shared over groups), or "auto": the
-      fewest whose plan fits the chips' memory (rlver_jax/plan.py; 1 where devices report
+      fewest whose plan fits the chips' memory (rlver_jax/plan/; 1 where devices report
       no memory limit, as CPUs).
     release_sampler_weights: free the sampler's copy of the weights while the update runs and
       make it anew before the next rollout: the update's peak memory loses the copy, each

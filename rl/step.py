@@ -15,7 +15,7 @@ between them, and `apply_gradients` once (`rl.updates.UpdatePrograms`, which
 the `Learner`s run).
 
 `AlgorithmStep.programs` lists those programs, with abstract arguments of a
-step's shapes, for the planner (`rlver_jax/plan.py`): what is planned is what
+step's shapes, for the planner (`rlver_jax/plan/`): what is planned is what
 runs. The loop around the step (rollouts, the simulator failure guard,
 checkpoints) is `rlver_jax/trainer.py`'s, each in a room of its own; what the step needs of the hosts and
 of a rollout running beside it comes in as hooks (`collate`, `turns`).

@@ -25,7 +25,7 @@ from models.slice_meshes import SliceMeshes
 from rl import learner as learner_lib
 from rl import step as step_lib
 from rl import system_prompts, updates
-from rl.rollout_config import AUTO, RolloutConfig
+from rl.rollout_config import RolloutConfig
 from rlver_jax import multihost, simulator_factory, tiny
 from rlver_jax import workdir as workdir_lib
 from sim_user.simulator import SimulatedUser
@@ -84,24 +84,6 @@ def generation_policy(checkpoint: str, dtype: str, mesh_axes: dict | None,
   mesh = partitioning.make_mesh(mesh_axes) if mesh_axes else None
   return pretrained.load_policy(checkpoint, dtype=dtype, mesh=mesh, stops=stops,
                                 require_chat_template=require_chat_template)
-
-
-def hosts_per_group(config, policy_path: str) -> int:
-  """`rollout.sampler_hosts` as a number: "auto" is the fewest hosts per sampler group whose
-  plan of this run fits the chips' memory (`rlver_jax.plan.fewest_sampler_hosts`), 1 on
-  devices that report no memory limit (CPUs)."""
-  hosts = jax.process_count()
-  if config.rollout.sampler_hosts != AUTO:
-    return int(config.rollout.sampler_hosts)
-  # This process's own chip: another process's devices report no memory statistics.
-  limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-  if not limit or hosts == 1:
-    return 1
-  from rlver_jax import plan  # the planner builds its abstract run from this module
-  k = plan.fewest_sampler_hosts(config, policy_path, jax.devices(), limit / 2**30)
-  logging.info("rollout.sampler_hosts='auto': %d host(s) per sampler group (the fewest whose "
-               "plan fits %.1f GiB per chip)", k, limit / 2**30)
-  return k
 
 
 def run_meshes(config, kv_heads: int, hosts_per_group: int, devices=None,

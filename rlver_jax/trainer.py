@@ -25,7 +25,7 @@ from rl.step import TrainingError
 from rlver_jax import builder, compile_cache, dialogue_log
 from rlver_jax import checkpoints as checkpoints_lib
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import multihost, off_policy, preemption, rollout_source, run_config, sections
+from rlver_jax import multihost, off_policy, plan, preemption, rollout_source, run_config, sections
 from rlver_jax import sharding, simulator_guard
 from rlver_jax import workdir as workdir_lib
 from sim_user import profiles as profiles_lib
@@ -75,7 +75,7 @@ class Trainer:
     tokenizer = pretrained.load_tokenizer(policy_path)
     self.hosts = multihost.Hosts(builder.run_meshes(
         config, qwen2.read_config(policy_path).num_kv_heads,
-        builder.hosts_per_group(config, policy_path)))
+        plan.hosts_per_group(config, policy_path)))
     # On several devices, the background rollout and the update take turns on them.
     self.turns = off_policy.DeviceTurns(enabled=bool(config.rollout.off_policy_steps) and
                                         self.hosts.train_mesh.devices.size > 1)

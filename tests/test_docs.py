@@ -98,36 +98,38 @@ class ModuleFlags:
   config_default: str | None  # the file under configs/ that --config defaults to
 
 
-def module_flags(path: str) -> ModuleFlags:
-  """The flags that the module at `path` defines, read from its syntax tree: absl's
-  flags.DEFINE_* and config_flags.DEFINE_config_file, argparse's add_argument, and --config
-  by `cli.run` / `cli.define_config_flag` (its default file their first argument) or, for the
-  runs it starts, `cli.load_config` (the second)."""
-  with open(path) as f:
-    tree = ast.parse(f.read())
-  constants = {target.id: node.value.value for node in tree.body if isinstance(node, ast.Assign)
-               and isinstance(node.value, ast.Constant) for target in node.targets
-               if isinstance(target, ast.Name)}
-
-  def text(node):
-    if isinstance(node, ast.Constant):
-      return node.value
-    return constants.get(node.id) if isinstance(node, ast.Name) else None
-
+def module_flags(paths: list[str]) -> ModuleFlags:
+  """The flags that the modules at `paths` (a module, or every module of a package run with
+  `python -m`) define, read from their syntax trees: absl's flags.DEFINE_* and
+  config_flags.DEFINE_config_file, argparse's add_argument, and --config by `cli.run` /
+  `cli.define_config_flag` (its default file their first argument) or, for the runs it
+  starts, `cli.load_config` (the second)."""
   names, booleans, takes_config, default = set(), set(), False, None
-  for node in ast.walk(tree):
-    if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
-      continue
-    call, first = node.func.attr, text(node.args[0])
-    if call.startswith("DEFINE_") and isinstance(first, str):
-      names.add(first)
-      booleans.update([first] if call in ("DEFINE_bool", "DEFINE_boolean") else [])
-      takes_config |= call == "DEFINE_config_file"
-    elif call == "add_argument":
-      names.update(t.lstrip("-") for t in map(text, node.args) if t and t.startswith("--"))
-    elif call in ("run", "define_config_flag", "load_config") and \
-        isinstance(node.func.value, ast.Name) and node.func.value.id == "cli":
-      takes_config, default = True, text(node.args[1 if call == "load_config" else 0])
+  for path in paths:
+    with open(path) as f:
+      tree = ast.parse(f.read())
+    constants = {target.id: node.value.value for node in tree.body
+                 if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
+                 for target in node.targets if isinstance(target, ast.Name)}
+
+    def text(node):
+      if isinstance(node, ast.Constant):
+        return node.value
+      return constants.get(node.id) if isinstance(node, ast.Name) else None
+
+    for node in ast.walk(tree):
+      if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args):
+        continue
+      call, first = node.func.attr, text(node.args[0])
+      if call.startswith("DEFINE_") and isinstance(first, str):
+        names.add(first)
+        booleans.update([first] if call in ("DEFINE_bool", "DEFINE_boolean") else [])
+        takes_config |= call == "DEFINE_config_file"
+      elif call == "add_argument":
+        names.update(t.lstrip("-") for t in map(text, node.args) if t and t.startswith("--"))
+      elif call in ("run", "define_config_flag", "load_config") and \
+          isinstance(node.func.value, ast.Name) and node.func.value.id == "cli":
+        takes_config, default = True, text(node.args[1 if call == "load_config" else 0])
   return ModuleFlags(frozenset(names), frozenset(booleans), takes_config, default)
 
 
@@ -143,7 +145,10 @@ def problems(command: Command) -> list[str]:
     spec = None
   if spec is None or not spec.origin:
     return [f"no module {command.module}"]
-  known = module_flags(spec.origin)
+  # A package runs its __main__, which may take its flags from any module of the package.
+  package = spec.submodule_search_locations
+  known = module_flags(sorted(glob.glob(os.path.join(package[0], "*.py"))) if package
+                       else [spec.origin])
   unwrapped = (arg.removeprefix("[").removesuffix("]") for arg in command.args)
   args = [arg for arg in unwrapped if arg != "..."]
   config_flags, others = sweep.split_config_flags(args)

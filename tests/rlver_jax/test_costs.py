@@ -29,7 +29,7 @@ def test_analytic_flops_match_xlas_count_on_loop_free_programs():
                                attention="einsum")
   spec = plan.PlanSpec(run=run, model=MODEL, model_name="one layer", micro_batch=4, seq_len=256,
                        dialogues=4, cache_len=256, prefill_chunk=64)
-  planner = plan._Planner(spec, jax.devices()[:1])
+  planner = plan.Planner(spec, jax.devices()[:1])
   programs = planner.learner_programs()
   programs.update(planner.sampler_plan(1, "train", "bounding").programs)
   layout = costs.Layout(1, 1, 1)
