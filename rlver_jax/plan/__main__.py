@@ -35,7 +35,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app
+from absl import app, flags
 
 from infra import topology
 
@@ -67,6 +67,7 @@ def main() -> None:
   _prepare_environment(sys.argv)
   from rlver_jax.plan import cli  # JAX starts with this import, in that environment
   cli.define_flags()
+  flags.adopt_module_key_flags(cli)  # --help lists the main module's flags: these
   app.run(cli.main)
 
 
