@@ -45,7 +45,13 @@ CHAT_TEMPLATE = (
 
 
 def build_tokenizer(out_dir: str = TOKENIZER_DIR, vocab_size: int = 1024) -> None:
-  """Trains a byte-level BPE on our corpus and saves it as an HF fast tokenizer."""
+  """Trains a byte-level BPE on the English the demo's user reads and saves it as an HF fast
+  tokenizer.
+
+  Trained on `user_sentences()` (not the corpus alone), the policy's warm-up replies split into
+  fewer subword joins, each a place for a sampled reply to slip ("Whyight", "changege"). One line
+  of the scripted user's key words, each with its leading space, makes each of them one token,
+  which `scripted.KEY_WORDS` promises."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
   from transformers import PreTrainedTokenizerFast
 
@@ -54,9 +60,8 @@ def build_tokenizer(out_dir: str = TOKENIZER_DIR, vocab_size: int = 1024) -> Non
   tokenizer.decoder = decoders.ByteLevel()
   trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
                                 initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  with open(CORPUS) as f:
-    lines = f.read().splitlines()
-  tokenizer.train_from_iterator(lines, trainer)
+  key_words = [word for words in scripted.KEY_WORDS.values() for word in words]
+  tokenizer.train_from_iterator(user_sentences() + [" " + " ".join(key_words)], trainer)
   fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token="<|im_end|>",
                                  pad_token="<|endoftext|>", bos_token=None)
   fast.chat_template = CHAT_TEMPLATE
