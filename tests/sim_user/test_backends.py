@@ -171,3 +171,10 @@ def test_config_defaults_drop_failed_training_dialogues_and_list_failed_evaluati
   train_cfg.max_agent_turns = -1
   with pytest.raises(UserInputError, match="sim_user.max_agent_turns=-1"):
     simulator_factory.make_simulated_user(train_cfg)
+
+
+def test_every_backend_the_section_accepts_has_a_builder_and_no_other():
+  from sim_user import config as sim_config
+  assert set(simulator_factory.BACKEND_BUILDERS) == set(sim_config.BACKENDS)
+  with pytest.raises(ValueError, match=r"unknown sim_user.backend 'vllm'; expected one of"):
+    simulator_factory.make_backend(types.SimpleNamespace(backend="vllm"))
