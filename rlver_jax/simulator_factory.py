@@ -46,19 +46,14 @@ def _flax(cfg, mesh, seed) -> FlaxLLMBackend:
                                         keys.stream(seed, keys.SIMULATOR), mesh)
 
 
-def make_backend(cfg, mesh=None, seed: int = 0):
-  """The backend `cfg.backend` names, over `mesh` where it runs in process."""
-  return BACKEND_BUILDERS.lookup(cfg.backend)(cfg, mesh, seed)
-
-
-def make_rules(cfg, rules: str | None = None) -> dynamics.EmotionRules:
-  """The named rule set (`rules` or `cfg.rules`) with `cfg.max_agent_turns` applied.
+def make_rules(cfg) -> dynamics.EmotionRules:
+  """The rule set `cfg.rules` names, with `cfg.max_agent_turns` applied.
 
   `max_agent_turns` 0 keeps the rule set's own limit: `sage_benchmark` ends
   with the agent's 10th reply, unjudged (SAGE); `rlver_train` with the agent's
   9th reply, judged (the release's `turn_count > 8`; the paper says 8: set 8).
   """
-  name = rules or cfg.rules
+  name = cfg.rules
   if name not in dynamics.RULES:
     raise UserInputError(f"sim_user.rules={name!r}; expected one of {sorted(dynamics.RULES)}")
   if cfg.max_agent_turns < 0:
@@ -76,15 +71,16 @@ def describe(cfg) -> str:
   return f"the {cfg.backend} simulator"
 
 
-def make_simulated_user(cfg, mesh=None, rules: str | None = None, seed: int = 0) -> SimulatedUser:
+def make_simulated_user(cfg, mesh=None, seed: int = 0) -> SimulatedUser:
   """The simulated user of a `sim_user` section; `seed` is the run's (an in-process simulator
   draws from its stream of it)."""
-  prompts = PromptSet.load(cfg.templates or None, language=cfg.language, variant=cfg.variant)
-  rule_set = make_rules(cfg, rules)
   if cfg.on_failure not in ON_FAILURE:
     raise UserInputError(f"sim_user.on_failure={cfg.on_failure!r}; expected one of {ON_FAILURE}")
+  rule_set = make_rules(cfg)
+  prompts = PromptSet.load(cfg.templates or None, language=cfg.language, variant=cfg.variant)
+  backend = BACKEND_BUILDERS.lookup(cfg.backend)(cfg, mesh, seed)
   target_header = "Reason" if rule_set.name == "rlver_train" else "TargetCompletion"
-  return SimulatedUser(make_backend(cfg, mesh, seed), rule_set, prompts,
+  return SimulatedUser(backend, rule_set, prompts,
                        max_retries=cfg.parse_retries, on_failure=cfg.on_failure,
                        target_header=target_header,
                        # The scripted user's changes come from its own rules, not a prompt.

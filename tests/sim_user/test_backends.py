@@ -123,7 +123,7 @@ def test_flax_llm_backend_answers_every_request(tiny_checkpoint, tokenizer):
 def test_the_flax_simulator_loads_its_checkpoint_itself(tiny_checkpoint, tokenizer):
   cfg = types.SimpleNamespace(backend="flax", checkpoint=tiny_checkpoint, max_tokens=8,
                               temperature=0.5)
-  backend = simulator_factory.make_backend(cfg, mesh=None, seed=3)
+  backend = simulator_factory.BACKEND_BUILDERS.lookup("flax")(cfg, None, 3)
   assert isinstance(backend, FlaxLLMBackend)  # FlaxLLMBackend.from_checkpoint, through models/
   assert backend.params.max_new_tokens == 8 and backend.params.temperature == 0.5
   assert len(backend.tokenizer) == len(tokenizer)
@@ -177,4 +177,4 @@ def test_every_backend_the_section_accepts_has_a_builder_and_no_other():
   from sim_user import config as sim_config
   assert set(simulator_factory.BACKEND_BUILDERS) == set(sim_config.BACKENDS)
   with pytest.raises(ValueError, match=r"unknown sim_user.backend 'vllm'; expected one of"):
-    simulator_factory.make_backend(types.SimpleNamespace(backend="vllm"))
+    simulator_factory.BACKEND_BUILDERS.lookup("vllm")
