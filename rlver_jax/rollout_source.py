@@ -77,7 +77,7 @@ class Collected:
 
 class RolloutSource:
   """The rollouts of a run's steps, drawn from `profiles` in a `ProfileOrder` from position 0
-  (set `order.position` to resume) and sampled by `models.sampler`."""
+  (`seek` resumes elsewhere) and sampled by `models.sampler`."""
 
   def __init__(self, config: sections.TrainRun, rollout_cfg: RolloutConfig,
                models: builder.TrainingModels, hosts: multihost.Hosts, user: SimulatedUser,
@@ -88,6 +88,17 @@ class RolloutSource:
     self.order = ProfileOrder(len(profiles), config.seed)
     self.sampler_step = None  # the step whose weights the sampler holds (0: the initial ones)
     self.prefetch: off_policy.BackgroundRollout | None = None  # the next step's, collected ahead
+
+  @property
+  def position(self) -> int:
+    """The data position: the profiles the run's accepted rollouts have drawn (a checkpoint
+    keeps it)."""
+    return self.order.position
+
+  def seek(self, position: int) -> None:
+    """The next rollout draws from `position` on: a checkpoint's, or an accepted rollout's
+    (`Collected.position`)."""
+    self.order.position = position
 
   def _refresh_sampler(self, weights_step: int) -> None:
     """The sampler to the policy's weights, those of step `weights_step` (the last finished),

@@ -109,7 +109,7 @@ class Trainer:
   # Checkpoints.
 
   def _save(self) -> None:
-    meta = checkpoints_lib.Meta(step=self.step, data_position=self.rollouts.order.position,
+    meta = checkpoints_lib.Meta(step=self.step, data_position=self.rollouts.position,
                                 seed=self.config.seed,
                                 skipped_updates=self.algorithm.skipped_updates)
     with self.turns.turn():  # copies the arrays off the devices the background rollout uses
@@ -119,8 +119,8 @@ class Trainer:
   def _restore(self) -> None:
     meta = self.checkpoints.restore_latest(self.models)
     if meta is not None:
-      self.step, self.rollouts.order.position = meta.step, meta.data_position
-      self.algorithm.skipped_updates = meta.skipped_updates
+      self.step, self.algorithm.skipped_updates = meta.step, meta.skipped_updates
+      self.rollouts.seek(meta.data_position)
       logging.info("resumed from %s at step %d", self.checkpoints.directory, self.step)
 
   def _stop(self, signal_name: str) -> None:
@@ -156,7 +156,7 @@ class Trainer:
     signal_name = self.signals.agreed()  # every host, after its rollout
     if signal_name:
       self._stop(signal_name)  # the data position stays step `self.step`'s: drawn again
-    self.rollouts.order.position = collected.position
+    self.rollouts.seek(collected.position)
     if self.config.rollout.off_policy_steps and step < self.config.steps:
       # Beside this step's update, with the weights before it.
       self.rollouts.start_prefetch(step + 1, weights_step=self.step)

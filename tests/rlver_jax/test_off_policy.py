@@ -159,7 +159,7 @@ def test_a_stop_signal_during_the_rollout_collected_ahead_loses_nothing(
 
   resumed = trainer.Trainer(config)
   assert resumed.step == 2
-  assert resumed.rollouts.order.position == 2 * config.batch_size  # step 2's, not the rollout ahead's
+  assert resumed.rollouts.position == 2 * config.batch_size  # step 2's, not the rollout ahead's
   again = _record_collects(monkeypatch)
   resumed.run()
   assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3, 4]

@@ -50,7 +50,7 @@ def test_a_signal_in_a_rollout_drops_it_and_saves_the_step_before(tmp_path, monk
   resumed = trainer.Trainer(config)
   assert resumed.step == 1
   # Step 2's profiles were drawn by the dropped rollout; the resumed run draws them again.
-  assert resumed.rollouts.order.position == config.batch_size
+  assert resumed.rollouts.position == config.batch_size
   resumed.run()
   assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
 

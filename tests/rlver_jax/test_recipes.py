@@ -133,7 +133,7 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
     if run.config.rl.learner_logprobs_pass:  # the sampler-learner mismatch, every step
       assert 0 <= r["mismatch/abs_logp_diff_mean"] <= r["mismatch/abs_logp_diff_max"], r
   # batch_size counts profiles; each is sampled samples_per_profile times.
-  assert run.rollouts.order.position == 2 * config.batch_size
+  assert run.rollouts.position == 2 * config.batch_size
   assert records[0]["agent_turns/generated"] >= (config.batch_size *
                                                  config.rollout.samples_per_profile)
   assert os.path.exists(os.path.join(config.workdir, "export", "config.json"))
