@@ -45,6 +45,38 @@ def gae_advantages(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
   return advantages, returns
 
 
+def reply_gae_advantages(rewards, values, mask, gamma: float = 1.0, lam: float = 1.0):
+  """GAE over [B, T] token arrays with each reply (a run of mask-1 tokens) one step.
+
+  A reply's reward is its tokens' rewards summed, its value the critic's at its
+  first token; `gae_advantages` runs over the replies of each row, and every
+  token of a reply takes the reply's advantage and return. With replies of one
+  token each this is `gae_advantages`. Returns (advantages, returns), zero where
+  mask is 0; not whitened.
+  """
+  rewards = jnp.asarray(rewards, jnp.float32)
+  values = jnp.asarray(values, jnp.float32)
+  mask = jnp.asarray(mask, bool)
+  batch, width = mask.shape
+  starts_bt = mask & ~jnp.pad(mask[:, :-1], ((0, 0), (1, 0)))
+  reply_bt = jnp.cumsum(starts_bt, axis=1) - 1  # the reply a token belongs to, where mask
+  rows_b1 = jnp.arange(batch)[:, None]
+  # Index `width` is past the end: those writes are dropped.
+  zeros_bn = jnp.zeros((batch, width), jnp.float32)
+  rewards_bn = zeros_bn.at[rows_b1, jnp.where(mask, reply_bt, width)].add(rewards, mode="drop")
+  values_bn = zeros_bn.at[rows_b1, jnp.where(starts_bt, reply_bt, width)].set(values,
+                                                                              mode="drop")
+  replies_bn = jnp.arange(width)[None, :] < jnp.sum(starts_bt, axis=1, keepdims=True)
+  advantages_bn, returns_bn = gae_advantages(rewards_bn, values_bn, replies_bn, gamma, lam)
+  reply_bt = jnp.maximum(reply_bt, 0)
+  advantages = jnp.take_along_axis(advantages_bn, reply_bt, axis=1) * mask
+  returns = jnp.take_along_axis(returns_bn, reply_bt, axis=1) * mask
+  return advantages, returns
+
+
+GAE_BY_UNIT = {"token": gae_advantages, "reply": reply_gae_advantages}
+
+
 def masked_mean(x, mask, axis=None):
   mask = jnp.asarray(mask, jnp.float32)
   return jnp.sum(x * mask, axis=axis) / jnp.maximum(jnp.sum(mask, axis=axis), 1.0)
@@ -91,7 +123,8 @@ get_adv_estimator_fn = ADV_ESTIMATORS.lookup
 
 @register_adv_est("gae")
 def gae_batch(batch: TrainBatch, cfg: losses.RLConfig) -> TrainBatch:
-  """PPO's: GAE over the critic's `old_values_bt`, whitened over the batch's tokens. With a
+  """PPO's: GAE over the critic's `old_values_bt` (by token or by reply, `cfg.gae_unit`),
+  whitened over the batch's tokens. With a
   KL penalty in the reward it reads `ref_logprobs_bt`, and the penalised rewards replace
   `token_rewards_bt`."""
   mask = jnp.asarray(batch.loss_mask_bt)
@@ -100,8 +133,8 @@ def gae_batch(batch: TrainBatch, cfg: losses.RLConfig) -> TrainBatch:
     kl = losses.kl_penalty(jnp.asarray(batch.old_logprobs_bt),
                            jnp.asarray(batch.ref_logprobs_bt), cfg.kl_estimator)
     rewards = rewards - cfg.kl_coef * kl * mask
-  advantages, returns = gae_advantages(rewards, jnp.asarray(batch.old_values_bt), mask,
-                                       cfg.gamma, cfg.lam)
+  advantages, returns = GAE_BY_UNIT[cfg.gae_unit](rewards, jnp.asarray(batch.old_values_bt),
+                                                  mask, cfg.gamma, cfg.lam)
   if cfg.whiten_advantages:
     advantages = masked_whiten(advantages, mask)
   return batch.replace(token_rewards_bt=np.asarray(rewards), advantages_bt=np.asarray(advantages),

@@ -33,6 +33,8 @@ SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 
 ALGORITHMS = ("ppo", "grpo")
 REWARDS = ("final", "turn")
+# What PPO's GAE steps over: each agent token (verl's) or each reply (`advantages.reply_gae_advantages`).
+GAE_UNITS = ("token", "reply")
 OLD_LOGPROBS = ("sampler", "learner")
 ROLLOUT_CORRECTIONS = ("none", "token_tis")
 
@@ -43,8 +45,12 @@ class RLConfig(config_section.Section):
 
   Attributes:
     algorithm: ppo (GAE with a critic) | grpo (group-normalised, no critic).
-    gamma: GAE discount.
-    lam: GAE lambda.
+    gamma: GAE discount (per step of `gae_unit`).
+    lam: GAE lambda (per step of `gae_unit`).
+    gae_unit: PPO: what GAE steps over: token (verl's: each agent token an action, valued by
+      the critic at each) | reply (each reply one action, valued at its first token; all its
+      tokens take its advantage, so the critic's token-to-token noise does not push single
+      tokens of a reply up or down).
     whiten_advantages: PPO: whiten the batch's advantages (GRPO's group-normalised
       advantages never are).
     grpo_normalize_std: GRPO: divide by the group's reward std, not only centre.
@@ -80,6 +86,7 @@ class RLConfig(config_section.Section):
   algorithm: str = "ppo"
   gamma: float = 1.0
   lam: float = 1.0
+  gae_unit: str = "token"
   whiten_advantages: bool = True
   grpo_normalize_std: bool = True
   clip_ratio: float = 0.2
@@ -138,6 +145,7 @@ class RLConfig(config_section.Section):
   def check(self, p: config_section.Problems) -> None:
     p.one_of("algorithm", ALGORITHMS)
     p.one_of("reward", REWARDS)
+    p.one_of("gae_unit", GAE_UNITS)
     p.one_of("loss_agg", AGGREGATIONS)
     p.one_of("kl_estimator", KL_ESTIMATORS)
     p.one_of("policy_loss", POLICY_LOSSES)

@@ -49,6 +49,47 @@ def test_gae_with_unit_discount_gives_reward_to_go_minus_value():
   np.testing.assert_allclose(ret[0], [1, 1, 0, 0, 1, 1], atol=1e-6)
 
 
+def test_reply_gae_takes_each_reply_as_one_step():
+  # The same two replies: each reply's reward is its tokens' sum, its value its first token's.
+  mask = np.array([[1, 1, 0, 0, 1, 1, 1, 0]], np.float32)
+  rewards = np.array([[0, 0.5, 0, 0, 0, 0.25, 1.0, 0]])
+  values = np.array([[0.2, 0.3, 9.0, 9.0, 0.5, 0.7, 0.1, 9.0]])
+  adv, ret = advantages.reply_gae_advantages(rewards, values, mask, 1.0, 1.0)
+  # Reply 1: 0.5 + (1.25) - 0.2 = 1.55; reply 2: 1.25 - 0.5 = 0.75, on each of their tokens.
+  np.testing.assert_allclose(adv[0], [1.55, 1.55, 0, 0, 0.75, 0.75, 0.75, 0], atol=1e-6)
+  np.testing.assert_allclose(ret[0], [1.75, 1.75, 0, 0, 1.25, 1.25, 1.25, 0], atol=1e-6)
+  gamma, lam = 0.9, 0.5
+  adv, _ = advantages.reply_gae_advantages(rewards, values, mask, gamma, lam)
+  late = 1.25 - 0.5
+  early = 0.5 + gamma * 0.5 - 0.2 + gamma * lam * late
+  np.testing.assert_allclose(adv[0], [early] * 2 + [0, 0] + [late] * 3 + [0], atol=1e-6)
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95)])
+def test_reply_gae_of_one_token_replies_is_token_gae(gamma, lam):
+  rng = np.random.RandomState(1)
+  mask = np.zeros((3, 12), np.float32)
+  mask[:, ::2] = rng.rand(3, 6) < 0.7  # replies of one token, a user token between
+  rewards, values = rng.randn(3, 12) * mask, rng.randn(3, 12)
+  for got, want in zip(advantages.reply_gae_advantages(rewards, values, mask, gamma, lam),
+                       rl.gae_advantages(rewards, values, mask, gamma, lam)):
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_gae_unit_picks_the_estimator_and_is_checked():
+  samples = [_sample(5, 1.0, 0), _sample(3, 0.0, 1)]
+  batch = batch_lib.collate(samples)
+  batch = batch.replace(old_values_bt=np.linspace(
+      0, 1, batch.loss_mask_bt.size, dtype=np.float32).reshape(batch.loss_mask_bt.shape))
+  out = advantages.compute_advantages(batch, RLConfig(gae_unit="reply", whiten_advantages=False))
+  want, _ = advantages.reply_gae_advantages(batch.token_rewards_bt, batch.old_values_bt,
+                                            batch.loss_mask_bt)
+  np.testing.assert_allclose(out.advantages_bt, want, atol=1e-6)
+  assert RLConfig(gae_unit="turn").problems() == [
+      "gae_unit='turn': expected one of ('token', 'reply')"]
+  assert tuple(advantages.GAE_BY_UNIT) == losses.GAE_UNITS
+
+
 def test_grpo_advantages_match_numpy():
   scores = np.array([0.1, 0.5, 0.9, 0.3, 0.3, 0.8, 0.2])
   groups = np.array([7, 7, 7, 2, 2, 5, 9])
