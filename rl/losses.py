@@ -33,7 +33,7 @@ SEQ_MEAN_TOKEN_MEAN = "seq-mean-token-mean"
 
 ALGORITHMS = ("ppo", "grpo")
 REWARDS = ("final", "turn")
-# What PPO's GAE steps over: each agent token (verl's) or each reply (`advantages.reply_gae_advantages`).
+# What PPO's GAE steps over: each agent token (verl's) or each reply (an ablation).
 GAE_UNITS = ("token", "reply")
 OLD_LOGPROBS = ("sampler", "learner")
 ROLLOUT_CORRECTIONS = ("none", "token_tis")
@@ -48,9 +48,9 @@ class RLConfig(config_section.Section):
     gamma: GAE discount (per step of `gae_unit`).
     lam: GAE lambda (per step of `gae_unit`).
     gae_unit: PPO: what GAE steps over: token (verl's: each agent token an action, valued by
-      the critic at each) | reply (each reply one action, valued at its first token; all its
-      tokens take its advantage, so the critic's token-to-token noise does not push single
-      tokens of a reply up or down).
+      the critic at each) | reply (each reply one action, valued at its first token, all its
+      tokens taking its advantage: `advantages.reply_gae_advantages`; in the demo it garbled
+      twice as many replies as by token, docs/demo.md).
     whiten_advantages: PPO: whiten the batch's advantages (GRPO's group-normalised
       advantages never are).
     grpo_normalize_std: GRPO: divide by the group's reward std, not only centre.
