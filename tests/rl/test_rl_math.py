@@ -50,7 +50,7 @@ def test_gae_with_unit_discount_gives_reward_to_go_minus_value():
 
 
 def test_reply_gae_takes_each_reply_as_one_step():
-  # The same two replies: each reply's reward is its tokens' sum, its value its first token's.
+  # Two replies: each reply's reward is its tokens' sum, its value its first token's.
   mask = np.array([[1, 1, 0, 0, 1, 1, 1, 0]], np.float32)
   rewards = np.array([[0, 0.5, 0, 0, 0, 0.25, 1.0, 0]])
   values = np.array([[0.2, 0.3, 9.0, 9.0, 0.5, 0.7, 0.1, 9.0]])
