@@ -118,8 +118,8 @@ def main(argv):
       for name, steps_ahead in (("on_policy", 0), ("off_policy", 1)):
         workdir = os.path.join(tmp, name)
         start = time.perf_counter()
-        trainer.Trainer(run_config(workdir, checkpoint, profiles_file, server.url,
-                                   steps_ahead)).run()
+        trainer.Trainer.from_config(run_config(workdir, checkpoint, profiles_file, server.url,
+                                               steps_ahead)).run()
         records = metrics_lib.read_appended_jsonl(os.path.join(workdir, "metrics.jsonl"))
         results[name] = {**summary(records), "run_s": time.perf_counter() - start}
         logging.info("%s: %s", name, results[name])

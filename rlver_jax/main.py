@@ -10,7 +10,7 @@ from rlver_jax import cli, preemption, trainer, watchdog
 
 def train(config) -> None:
   with preemption.STOP_SIGNALS:  # a signal during start-up stops it too (before any step)
-    trainer.Trainer(config).run()
+    trainer.Trainer.from_config(config).run()
 
 
 if __name__ == "__main__":

@@ -10,11 +10,9 @@ collected ahead is dropped by a stop and collected again. The final policy goes 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 
-import jax
 from absl import logging
 from tqdm import tqdm
 
@@ -25,10 +23,8 @@ from rl.step import TrainingError
 from rlver_jax import builder, compile_cache, dialogue_log
 from rlver_jax import checkpoints as checkpoints_lib
 from rlver_jax import metrics as metrics_lib
-from rlver_jax import multihost, off_policy, plan, preemption, rollout_source, run_config, sections
-from rlver_jax import sharding, simulator_guard
-from rlver_jax import workdir as workdir_lib
-from sim_user import profiles as profiles_lib
+from rlver_jax import multihost, off_policy, plan, preemption, rollout_source, run_start
+from rlver_jax import simulator_guard
 
 # Steps between redraws of W/reward_curve.png (also redrawn at every checkpoint and the end):
 # a few seconds of drawing against steps of seconds (the demo) to minutes (the recipes).
@@ -40,36 +36,27 @@ host_metrics.declare({"untrained/simulator": host_metrics.MEAN})
 
 class Trainer:
 
-  def __init__(self, config):
-    """`config`: an ml-collections training config, read as its typed, checked run."""
-    self.config_dict = config  # as given, for W/config.json
-    self.config = config = sections.train_run(config)
-    sharding.maybe_initialize_distributed()
-    self.lock = workdir_lib.claim(config.workdir)  # before anything is written there
-    self.checkpoints = self.rollouts = self.metrics = self.dialogue_log = None
+  def __init__(self, start: run_start.RunStart):
+    """`start`: the started run (`run_start.start`), this trainer's from now on."""
+    self.config = config = start.config
+    self.lock, self.checkpoints, self.policy_path = start.lock, start.checkpoints, start.policy_path
+    self.rollouts = self.metrics = self.dialogue_log = None
     self.signals = preemption.STOP_SIGNALS  # installed while `run` runs, or by the CLI
     self.outputs: set[str] = set()  # what this run wrote, for the summary at its end
     try:
-      with self.signals.abortable():  # loading and warming up: nothing to save yet
-        self._build()
+      with self.signals.abortable():  # loading the models: nothing to save yet
+        self._build(start)
     except BaseException:
       self.close()
       raise
 
-  def _build(self) -> None:
-    config = self.config
-    self.checkpoints = checkpoints_lib.Checkpoints(config.workdir, config.checkpoint, config.steps)
-    run_config.check_and_save(self.config_dict, config.workdir,
-                              resuming=self.checkpoints.latest_step() is not None)
-    off_policy.check_supported(config.rollout.off_policy_steps, jax.process_count())
-    rollout_cfg = builder.train_rollout_config(config)
-    profiles = profiles_lib.load_profiles(config.data.train_profiles,
-                                          config.sim_user.max_message_chars)
-    # The simulator's health check comes before the policy's warm-up and loading: a dead
-    # simulator fails the run in seconds, not after minutes of preparing a policy. (An
-    # in-process simulator runs on its host's own chips.)
-    user = builder.simulated_user(config, multihost.local_mesh(dataclasses.asdict(config.mesh)))
-    self.policy_path = policy_path = builder.policy_path(config)
+  @classmethod
+  def from_config(cls, config) -> Trainer:
+    """The trainer of an ml-collections training config."""
+    return cls(run_start.start(config))
+
+  def _build(self, start: run_start.RunStart) -> None:
+    config, policy_path = self.config, self.policy_path
     # The tokenizer first: a checkpoint without one fails naming it, before its config.json
     # is read for the meshes.
     tokenizer = pretrained.load_tokenizer(policy_path)
@@ -82,8 +69,9 @@ class Trainer:
     self.models = builder.training_models(config, policy_path, self.hosts, tokenizer)
     self.simulator_guard = simulator_guard.for_run(config.sim_user)
     self.algorithm = builder.algorithm_step(config, self.models, self.hosts, self.turns)
-    self.rollouts = rollout_source.RolloutSource(config, rollout_cfg, self.models, self.hosts,
-                                                 user, profiles, self.turns, self.signals)
+    self.rollouts = rollout_source.RolloutSource(config, start.rollout, self.models, self.hosts,
+                                                 start.user, start.profiles, self.turns,
+                                                 self.signals)
     self.step = 0
     self._restore()
     self.metrics = metrics_lib.MetricsWriter(config.workdir, resume_step=self.step)

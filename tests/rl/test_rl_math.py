@@ -408,7 +408,7 @@ def test_trainer_stops_after_too_many_skipped_updates(monkeypatch, tmp_path):
   from tests.runs import small_demo
   config = small_demo(tmp_path, max_skipped_updates=1,  # 1 update a step
                       **{"optim.ppo_epochs": 1, "optim.num_minibatches": 1})
-  run = trainer.Trainer(config)
+  run = trainer.Trainer.from_config(config)
   real_update = run.models.policy.update
 
   def nan_update(micro_batches, **kwargs):
@@ -566,7 +566,7 @@ def test_a_thinking_step_makes_one_update_per_batch_size_samples(monkeypatch, tm
   config = small_demo(tmp_path, **{"rollout.thinking": True, "optim.warmup_steps": 0,
                                    "optim.ppo_epochs": 1,  # one pass over the mini-batches
                                    "optim.num_minibatches": 1})
-  run = trainer.Trainer(config)
+  run = trainer.Trainer.from_config(config)
   calls = []
   real_update = run.models.policy.update
 

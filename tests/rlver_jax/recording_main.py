@@ -19,7 +19,7 @@ def train_and_plan(config) -> None:
       trained.add(plan.function_name(kwargs["fun_name"]))
 
   with preemption.STOP_SIGNALS:
-    run = trainer.Trainer(config)
+    run = trainer.Trainer.from_config(config)
     jax.monitoring.register_event_duration_secs_listener(record)
     run.run()
     jax.monitoring.unregister_event_duration_listener(record)

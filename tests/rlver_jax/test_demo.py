@@ -180,7 +180,7 @@ def train_demo(workdir, steps, with_demo_init_policy):
   config.steps = steps
   config.checkpoint.every = steps
   config.checkpoint.export_at_end = False
-  trainer.Trainer(config).run()
+  trainer.Trainer.from_config(config).run()
   records = metrics_lib.read_appended_jsonl(os.path.join(workdir, "metrics.jsonl"))
   assert len(records) == steps
   with open(os.path.join(workdir, "replies_by_intention.json")) as f:

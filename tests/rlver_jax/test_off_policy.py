@@ -72,7 +72,7 @@ def test_each_rollout_is_sampled_with_the_weights_one_update_back(
                                    "rollout.sampling_dtype": sampling_dtype,
                                    "optim.warmup_steps": 0},  # update 1 changes the weights
                       mesh={"data": 1, "fsdp": fsdp, "tensor": 1})
-  run = trainer.Trainer(config)
+  run = trainer.Trainer.from_config(config)
   assert run.turns.enabled == (steps_ahead and fsdp > 1)
   weights = [jax.device_get(run.models.policy.params)]  # weights[k]: after step k
   real_step = run.run_step
@@ -126,7 +126,7 @@ def test_a_stop_signal_during_the_rollout_collected_ahead_loses_nothing(
   ahead is dropped, and the resumed run collects step 3 again with the same profiles."""
   config = small_demo(tmp_path, **OFF, **NO_ROUTINE_SAVES)
   config.steps = 4
-  run = trainer.Trainer(config)
+  run = trainer.Trainer.from_config(config)
   waiting = threading.Event()  # the main thread waits for step 3's background rollout
   real_result = off_policy.BackgroundRollout.result
   monkeypatch.setattr(off_policy.BackgroundRollout, "result",
@@ -157,7 +157,7 @@ def test_a_stop_signal_during_the_rollout_collected_ahead_loses_nothing(
   dropped_profiles = calls[2]["profiles"]
   monkeypatch.undo()
 
-  resumed = trainer.Trainer(config)
+  resumed = trainer.Trainer.from_config(config)
   assert resumed.step == 2
   assert resumed.rollouts.position == 2 * config.batch_size  # step 2's, not the rollout ahead's
   again = _record_collects(monkeypatch)
@@ -171,7 +171,7 @@ def test_a_stop_signal_during_the_rollout_collected_ahead_loses_nothing(
 def test_an_error_in_the_background_rollout_is_raised_in_the_main_thread(tmp_path, monkeypatch):
   config = small_demo(tmp_path, **OFF)
   config.steps = 4
-  run = trainer.Trainer(config)
+  run = trainer.Trainer.from_config(config)
 
   def fail_in_step_3(record):
     if record["thread"] == f"{BACKGROUND}3":

@@ -34,7 +34,7 @@ def _signal_self_in(monkeypatch, obj, name, signum, at_step, run):
 @pytest.mark.heavy
 def test_a_signal_in_a_rollout_drops_it_and_saves_the_step_before(tmp_path, monkeypatch):
   config = small_demo(tmp_path, **NO_ROUTINE_SAVES)
-  run = trainer.Trainer(config)
+  run = trainer.Trainer.from_config(config)
   _signal_self_in(monkeypatch, rollout_lib, "collect", signal.SIGINT, at_step=2, run=run)
   monkeypatch.setattr(trainer, "PLOT_EVERY_STEPS", 1)  # the curve is redrawn between checkpoints
   handler_before = signal.getsignal(signal.SIGINT)
@@ -47,7 +47,7 @@ def test_a_signal_in_a_rollout_drops_it_and_saves_the_step_before(tmp_path, monk
   assert signal.getsignal(signal.SIGINT) == handler_before  # the handlers are restored
   monkeypatch.undo()
 
-  resumed = trainer.Trainer(config)
+  resumed = trainer.Trainer.from_config(config)
   assert resumed.step == 1
   # Step 2's profiles were drawn by the dropped rollout; the resumed run draws them again.
   assert resumed.rollouts.position == config.batch_size
@@ -58,7 +58,7 @@ def test_a_signal_in_a_rollout_drops_it_and_saves_the_step_before(tmp_path, monk
 @pytest.mark.heavy
 def test_a_signal_in_an_update_finishes_the_step_and_saves_it(tmp_path, monkeypatch):
   config = small_demo(tmp_path, **NO_ROUTINE_SAVES)
-  run = trainer.Trainer(config)
+  run = trainer.Trainer.from_config(config)
   _signal_self_in(monkeypatch, run.models.policy, "update", signal.SIGTERM, at_step=2, run=run)
   with pytest.raises(preemption.Preempted, match=r"^SIGTERM: stopped at step 2/3; step 2's "):
     run.run()

@@ -104,7 +104,7 @@ def run_training(config, tmp_path, checkpoint, profile_file, serve):
   if server:
     sizes.update(sim_user__base_url=server.url, sim_user__backoff_s=0.01)
   shipped_prompt = config.rollout.system_prompt
-  run = trainer.Trainer(shrink(config, **sizes))
+  run = trainer.Trainer.from_config(shrink(config, **sizes))
   if shipped_prompt == system_prompts.RLVER:
     assert run.rollouts.rollout_cfg.system_prompt == system_prompts.policy_system_prompt(
         config.sim_user.language, config.rollout.thinking)
@@ -410,7 +410,7 @@ def test_a_setting_that_cannot_train_fails_at_start_up(name, overrides, message)
       node = node[part]
     node[leaf] = value
   with pytest.raises(UserInputError) as raised:
-    trainer.Trainer(config)
+    trainer.Trainer.from_config(config)
   assert message in str(raised.value)
   assert not os.path.exists(config.workdir)  # nothing was created or loaded
 

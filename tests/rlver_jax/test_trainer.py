@@ -31,7 +31,7 @@ def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, capl
   caplog.set_level("INFO")
   # Per-turn rewards: the untrained policy's dialogues all end at emotion 0 (final reward 0),
   # but each of its turns still has an emotion change for the critic to fit.
-  trainer.Trainer(small_demo(tmp_path, log_dialogues_every=2, **{"rl.reward": "turn"})).run()
+  trainer.Trainer.from_config(small_demo(tmp_path, log_dialogues_every=2, **{"rl.reward": "turn"})).run()
   assert sum("step 1 compiles" in m for m in caplog.messages) == 1  # not a silent wait
   records = read_metrics(tmp_path)
   assert [r["step"] for r in records] == [1, 2, 3]
@@ -67,14 +67,14 @@ def test_grpo_and_thinking_modes_run(tmp_path):
   config = small_demo(tmp_path / "grpo", **{"rl.algorithm": "grpo", "rl.reward": "final",
                                             "rollout.samples_per_profile": 2})
   config.steps = 2
-  trainer.Trainer(config).run()
+  trainer.Trainer.from_config(config).run()
   grpo_records = read_metrics(tmp_path / "grpo")
   assert len(grpo_records) == 2
   for r in grpo_records:  # GRPO has no critic: its value metrics are absent, not 0
     assert np.isfinite(r["pg_loss"]) and "value_loss" not in r and "value_clip_frac" not in r
   think = small_demo(tmp_path / "think", **{"rollout.thinking": True, "rl.kl_coef": 0.01})
   think.steps = 2
-  trainer.Trainer(think).run()
+  trainer.Trainer.from_config(think).run()
   records = read_metrics(tmp_path / "think")
   assert len(records) == 2
   # A random policy does not write <think>...</think>: every turn is badly formatted.
@@ -103,7 +103,7 @@ def test_killed_run_redoes_only_the_step_in_flight(tmp_path):
 
   # The workdir's saved config refuses a different recipe, naming the field.
   with pytest.raises(UserInputError, match=r"rl.clip_ratio: 0.2 -> 0.3.*resume_mismatch_ok"):
-    trainer.Trainer(small_demo(tmp_path, **{"rl.clip_ratio": 0.3}))
+    trainer.Trainer.from_config(small_demo(tmp_path, **{"rl.clip_ratio": 0.3}))
 
   second = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
   assert second.returncode == 0, second.stderr[-2000:]
@@ -128,7 +128,7 @@ def test_dead_simulator_stops_training_without_an_update_or_export(tmp_path, ser
       "sim_user.backoff_s": 0.01, "sim_user.timeout_s": 5.0, "sim_user.parse_retries": 0,
       "sim_user.max_failed_steps_in_a_row": in_a_row})
   config.steps = steps
-  run = trainer.Trainer(config)
+  run = trainer.Trainer.from_config(config)
   initial = np.asarray(jax.tree.leaves(run.models.policy.params)[0])
   with pytest.raises(simulator_guard.SimulatorFailing, match=why) as error:
     run.run()
@@ -247,8 +247,8 @@ def test_eight_devices_match_one(tmp_path):
   eight = small_demo(tmp_path / "eight", mesh={"data": 2, "fsdp": 2, "tensor": 2})
   one.steps = eight.steps = 1
   eight.batch_size = one.batch_size = 8
-  trainer.Trainer(one).run()
-  trainer.Trainer(eight).run()
+  trainer.Trainer.from_config(one).run()
+  trainer.Trainer.from_config(eight).run()
   a, b = read_metrics(tmp_path / "one"), read_metrics(tmp_path / "eight")
   for key in ("reward/mean", "emotion/final_mean", "turns/mean", "response_len/mean"):
     assert a[0][key] == b[0][key], key  # same weights, same seeds: the same dialogues
@@ -274,4 +274,4 @@ def test_missing_checkpoint_says_how_to_set_it(tmp_path):
   config.data.train_profiles = os.path.join(ROOT, "sim_user", "data", "demo_profiles.jsonl")
   config.mesh = {"data": 1, "fsdp": 1, "tensor": 1}
   with pytest.raises(ValueError, match="--config.policy.checkpoint="):
-    trainer.Trainer(config)
+    trainer.Trainer.from_config(config)
