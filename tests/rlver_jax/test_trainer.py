@@ -31,7 +31,8 @@ def test_short_ppo_run_writes_metrics_checkpoints_plot_and_export(tmp_path, capl
   caplog.set_level("INFO")
   # Per-turn rewards: the untrained policy's dialogues all end at emotion 0 (final reward 0),
   # but each of its turns still has an emotion change for the critic to fit.
-  trainer.Trainer.from_config(small_demo(tmp_path, log_dialogues_every=2, **{"rl.reward": "turn"})).run()
+  trainer.Trainer.from_config(
+      small_demo(tmp_path, log_dialogues_every=2, **{"rl.reward": "turn"})).run()
   assert sum("step 1 compiles" in m for m in caplog.messages) == 1  # not a silent wait
   records = read_metrics(tmp_path)
   assert [r["step"] for r in records] == [1, 2, 3]
